@@ -1,0 +1,79 @@
+"""Metric names and closed label sets: the contract that dashboards, alerts and tests read (SPEC §5).
+
+Everything here is plain data so that `dashboards/` and tests can import it without pulling torch.
+"""
+
+PREFIX = "swa_runtime_"
+
+# Translation cache
+LOC_CACHE_HITS = PREFIX + "loc_cache_hits_total"
+LOC_CACHE_MISSES = PREFIX + "loc_cache_misses_total"
+LOC_CACHE_INVALIDATIONS = PREFIX + "loc_cache_invalidations_total"
+LOC_KEY_CHANGE_EVENTS = PREFIX + "loc_key_change_events_total"
+LOC_TRANSLATIONS = PREFIX + "loc_translations_total"
+
+# Forwards
+FORWARD_TOTAL = PREFIX + "forward_total"
+FORWARD_SECONDS = PREFIX + "forward_seconds"
+
+# KV pools
+KV_TOKENS = PREFIX + "kv_tokens"
+SWA_EVICTED_TOKENS = PREFIX + "swa_evicted_tokens_total"
+HICACHE_OFFLOADS = PREFIX + "hicache_offloads_total"
+HICACHE_LOADBACKS = PREFIX + "hicache_loadbacks_total"
+
+# Requests
+REQUESTS_TOTAL = PREFIX + "requests_total"
+PROMPT_TOKENS = PREFIX + "prompt_tokens_total"
+GENERATION_TOKENS = PREFIX + "generation_tokens_total"
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"
+E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"
+NUM_RUNNING_REQS = PREFIX + "num_running_reqs"
+NUM_QUEUE_REQS = PREFIX + "num_queue_reqs"
+
+# Logging and build
+LOG_EVENTS_SUPPRESSED = PREFIX + "log_events_suppressed_total"
+BUILD_INFO = PREFIX + "build_info"
+
+# Closed label value sets. Unknown values fold into OTHER.
+OTHER = "other"
+POLICIES = ("memo", "layerwise", "per_forward", "off")
+PATHS = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "none")
+MISS_REASONS = ("cold", "invalidated", "key_changed", "stale_guard", "capture")
+CLASSIFICATIONS = (
+    "benign_fresh_tensor",
+    "view_offset",
+    "cross_forward",
+    "stale_loc",
+    "capture_pollution",
+)
+# Classifications that mean a bug (alerts fire on these; benign ones are only counted).
+NON_BENIGN_CLASSIFICATIONS = ("view_offset", "cross_forward", "stale_loc", "capture_pollution")
+# Where a cache gets invalidated: allocator/mapping mutations and engine lifecycle points.
+INVALIDATION_SITES = (
+    "alloc",
+    "free",
+    "free_swa",
+    "clear",
+    "set_mapping",
+    "clear_swa_mapping",
+    "register_mapping",
+    "forward_entry",
+    "graph_capture",
+    "hicache_loadback",
+    "manual",
+    OTHER,
+)
+# Where a translation is asked for.
+TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", "hicache", OTHER)
+FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay")
+KV_POOLS = ("full", "swa")
+KV_STATES = ("used", "available", "total")
+REQUEST_STATUSES = ("finished", "aborted", "rejected")
+LOG_EVENT_NAMES = ("loc_key_change", OTHER)
+
+
+def fold(value: str, allowed: tuple[str, ...]) -> str:
+    """Return `value` if it is in the closed set `allowed`, else `other` (keeps label cardinality bounded)."""
+    return value if value in allowed else OTHER
