@@ -1,0 +1,166 @@
+"""Hybrid allocator: a full pool, a SWA pool, and the full→SWA index mapping that links them.
+
+Every token owns a full slot; while it is inside some request's sliding window it also owns a SWA slot, and
+`full_to_swa_index_mapping[full_slot]` names it (0 = unmapped). The mapping carries one trailing sentinel
+`-1`, so translating the location `-1` ("no previous token") yields `-1`.
+
+Every mutation of the mapping calls the registered invalidation hook with its site name, so the pool's
+translation cache can never outlive the mapping it was computed from (the `skip-alloc-invalidation` fault
+switch disables exactly this, to show that the version guard still catches it).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from runtime.mem_cache.allocator import AllocationError, PagedAllocator, check_locations
+
+InvalidateHook = Callable[[str], None]
+
+
+class HybridAllocator:
+    def __init__(self, full_size: int, swa_size: int, page_size: int = 1, device: str | torch.device = "cpu"):
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.full = PagedAllocator(full_size, page_size, device)
+        self.swa = PagedAllocator(swa_size, page_size, device)
+        self.full_rows = full_size + page_size
+        self.swa_rows = swa_size + page_size
+        # (full_rows + 1,) int64; the last element is the -1 sentinel.
+        self.full_to_swa_index_mapping = self._empty_mapping()
+        self.mapping_generation = 0  # bumped when a new mapping tensor is registered
+        self.last_mutation: str | None = None  # site of the latest mapping mutation, for attributing staleness
+        self._invalidate_hooks: list[InvalidateHook] = []
+        self.invalidate_on_mutation = True  # False only under the skip-alloc-invalidation fault switch
+
+    def add_invalidate_hook(self, hook: InvalidateHook) -> None:
+        self._invalidate_hooks.append(hook)
+
+    def _mutated(self, site: str) -> None:
+        self.last_mutation = site
+        if self.invalidate_on_mutation or site == "register_mapping":
+            for hook in self._invalidate_hooks:
+                hook(site)
+
+    def _empty_mapping(self) -> torch.Tensor:
+        mapping = torch.zeros(self.full_rows + 1, dtype=torch.int64, device=self.device)
+        mapping[-1] = -1
+        return mapping
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    def available_size(self) -> int:
+        """Tokens that can still be admitted: both pools must hold them."""
+        return min(self.full.available_size(), self.swa.available_size())
+
+    def can_extend(self, prefix_lens: list[int], seq_lens: list[int]) -> bool:
+        need = self.full.pages_needed_extend(prefix_lens, seq_lens)
+        return need <= len(self.full._free_pages) and need <= len(self.swa._free_pages)
+
+    # ---- allocation (all or nothing: both pools are checked before either is touched) -------------------
+    def alloc(self, n: int) -> torch.Tensor | None:
+        if n // self.page_size > min(len(self.full._free_pages), len(self.swa._free_pages)):
+            return None
+        full_locs = self.full.alloc(n)
+        swa_locs = self.swa.alloc(n)
+        assert full_locs is not None and swa_locs is not None  # guaranteed by the check above
+        self._map(full_locs, swa_locs)
+        return full_locs
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        """Full locations for tokens prefix_len..seq_len-1 of each request; SWA slots follow the same page
+        layout, continuing from the SWA slot of each request's last token (found through the mapping)."""
+        if not self.can_extend(prefix_lens, seq_lens):
+            return None
+        swa_last = self.full_to_swa_index_mapping[torch.tensor(last_locs, dtype=torch.int64)].tolist()
+        for p, last, swa in zip(prefix_lens, last_locs, swa_last):
+            if p % self.page_size and swa <= 0:
+                raise AllocationError(f"token at full slot {last} lost its SWA slot mid-page")
+        full_locs = self.full.alloc_extend(prefix_lens, seq_lens, last_locs)
+        swa_locs = self.swa.alloc_extend(prefix_lens, seq_lens, swa_last)
+        assert full_locs is not None and swa_locs is not None
+        self._map(full_locs, swa_locs)
+        return full_locs
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
+        return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
+
+    def _map(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
+        self.full_to_swa_index_mapping[full_locs] = swa_locs
+        self._mutated("alloc")
+
+    # ---- release -----------------------------------------------------------------------------------------
+    def free(self, full_locs: torch.Tensor) -> None:
+        """Release tokens entirely: their SWA slots (where still mapped) and their full slots."""
+        full_pages = self.full._pages_of(full_locs)
+        for p in full_pages:
+            if not self.full._held[p]:
+                raise AllocationError(f"double free: full page {p} is not allocated")
+        swa_locs = self.full_to_swa_index_mapping[full_locs.long()]
+        swa_locs = swa_locs[swa_locs > 0]
+        self.swa.free(swa_locs)  # validates before touching anything
+        self.full._give_back(full_pages)
+        self.full_to_swa_index_mapping[full_locs.long()] = 0
+        self._mutated("free")
+
+    def free_swa(self, full_locs: torch.Tensor) -> int:
+        """Release only the SWA side of tokens that left the window. Page-rounded: a SWA page is freed only
+        when every token on it is among `full_locs`; the rest stay mapped. Returns SWA slots freed."""
+        check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
+        full_locs = full_locs.long()
+        swa_locs = self.full_to_swa_index_mapping[full_locs]
+        mapped = swa_locs > 0
+        full_locs, swa_locs = full_locs[mapped], swa_locs[mapped]
+        if swa_locs.numel() == 0:
+            return 0
+        ps = self.page_size
+        if ps > 1:
+            pages, counts = torch.unique(swa_locs // ps, return_counts=True)
+            whole = pages[counts == ps]
+            keep = torch.isin(swa_locs // ps, whole)
+            full_locs, swa_locs = full_locs[keep], swa_locs[keep]
+            if swa_locs.numel() == 0:
+                return 0
+        self.swa.free(swa_locs)
+        self.full_to_swa_index_mapping[full_locs] = 0
+        self._mutated("free_swa")
+        return int(swa_locs.numel())
+
+    def clear(self) -> None:
+        self.full.clear()
+        self.swa.clear()
+        self.full_to_swa_index_mapping.zero_()
+        self.full_to_swa_index_mapping[-1] = -1
+        self._mutated("clear")
+
+    # ---- direct mapping edits (host-cache load-back) -----------------------------------------------------
+    def set_full_to_swa_mapping(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
+        check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
+        check_locations(swa_locs, self.swa_rows, allow_reserved=False, page_size=self.page_size)
+        if full_locs.shape != swa_locs.shape:
+            raise ValueError(f"mapping update shapes differ: {tuple(full_locs.shape)} vs {tuple(swa_locs.shape)}")
+        self.full_to_swa_index_mapping[full_locs.long()] = swa_locs.long()
+        self._mutated("set_mapping")
+
+    def clear_swa_mapping(self, full_locs: torch.Tensor) -> None:
+        check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
+        self.full_to_swa_index_mapping[full_locs.long()] = 0
+        self._mutated("clear_swa_mapping")
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        """Adopt a rebuilt mapping tensor (host-cache load-back rebuilds it). A new tensor starts a new
+        version history, so the generation counter is what tells a guard that the mapping was swapped."""
+        self.check_mapping(mapping)
+        self.full_to_swa_index_mapping = mapping
+        self.mapping_generation += 1
+        self._mutated("register_mapping")
+
+    def check_mapping(self, mapping: torch.Tensor) -> None:
+        """Raise unless `mapping` could serve as this allocator's full→SWA mapping."""
+        if not isinstance(mapping, torch.Tensor) or mapping.dtype != torch.int64:
+            raise TypeError(f"mapping must be an int64 tensor, got {getattr(mapping, 'dtype', type(mapping))}")
+        if mapping.shape != (self.full_rows + 1,):
+            raise ValueError(f"mapping must have shape ({self.full_rows + 1},), got {tuple(mapping.shape)}")
+        if int(mapping[-1]) != -1:
+            raise ValueError("mapping must end with the -1 sentinel")

@@ -1,0 +1,89 @@
+"""The hybrid KV pool: routes each layer to the full or the SWA pool and owns the location translation.
+
+Sliding layers are addressed with full-pool locations like every other layer; the pool translates them to
+SWA slots through the policy chosen at start-up (`--loc-cache`). Mapping mutations in the allocator reach
+the translator through an invalidation hook, so the cache is cleared at the mutation site itself.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.mem_cache.hybrid import HybridAllocator
+from runtime.mem_cache.kv_pool import KVPool
+from runtime.mem_cache.translation import Translator
+
+
+class HybridKVPool:
+    def __init__(self, allocator: HybridAllocator, layer_is_swa: list[bool], num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, translator: Translator, device: str | torch.device = "cpu"):
+        self.allocator = allocator
+        self.layer_is_swa = list(layer_is_swa)
+        full_layers = [i for i, s in enumerate(layer_is_swa) if not s]
+        swa_layers = [i for i, s in enumerate(layer_is_swa) if s]
+        ps = allocator.page_size
+        self.full_pool = KVPool(allocator.full.size, ps, len(full_layers), num_kv_heads, head_dim, dtype, device)
+        self.swa_pool = KVPool(allocator.swa.size, ps, len(swa_layers), num_kv_heads, head_dim, dtype, device)
+        # layer id -> (pool, index inside that pool, is_swa)
+        self._route: list[tuple[KVPool, int, bool]] = [None] * len(layer_is_swa)  # type: ignore[list-item]
+        for local, layer in enumerate(full_layers):
+            self._route[layer] = (self.full_pool, local, False)
+        for local, layer in enumerate(swa_layers):
+            self._route[layer] = (self.swa_pool, local, True)
+        self.translator = translator
+        self.skip_invalidation_sites: frozenset[str] = frozenset()  # fault switches only
+        allocator.add_invalidate_hook(self._on_mapping_mutation)
+
+    # ---- routing -----------------------------------------------------------------------------------------
+    def route(self, layer_id: int) -> tuple[KVPool, int, bool]:
+        return self._route[layer_id]
+
+    def swa_position(self, layer_id: int) -> int:
+        """Index of a sliding layer among the sliding layers (the layerwise policy's key)."""
+        return self._route[layer_id][1]
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool, local, _ = self._route[layer_id]
+        return pool.get_kv(local)
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      swa_loc: torch.Tensor | None = None) -> None:
+        """Write k/v of the tokens at full-pool locations `loc`. A sliding layer translates `loc` unless the
+        backend already did (`swa_loc`, the per_forward policy)."""
+        pool, local, is_swa = self._route[layer_id]
+        if is_swa:
+            if swa_loc is None:
+                swa_loc = self.translator.translate(loc, "kv_write", local)
+            pool.set_kv(local, swa_loc, k, v)
+        else:
+            pool.set_kv(local, loc, k, v)
+
+    # ---- translation -------------------------------------------------------------------------------------
+    def translate_loc_from_full_to_swa(self, loc: torch.Tensor, site: str = "kv_write", layer_pos: int = 0) -> torch.Tensor:
+        return self.translator.translate(loc, site, layer_pos)
+
+    def invalidate_loc_cache(self, site: str = "manual") -> None:
+        self.translator.invalidate(site)
+
+    def register_mapping(self, mapping: torch.Tensor) -> None:
+        self.allocator.register_mapping(mapping)
+
+    def _on_mapping_mutation(self, site: str) -> None:
+        if site not in self.skip_invalidation_sites:
+            self.translator.invalidate(site)
+
+    # ---- sizes -------------------------------------------------------------------------------------------
+    def bytes_per_token(self) -> tuple[int, int]:
+        """(full-pool bytes, SWA-pool bytes) of K/V per token slot."""
+        return self.full_pool.bytes_per_token(), self.swa_pool.bytes_per_token()
+
+
+def build_hybrid_kv_pool(*, full_size: int, swa_size: int, page_size: int, layer_is_swa: list[bool],
+                         num_kv_heads: int, head_dim: int, dtype: torch.dtype, policy: str, stats, reporter,
+                         device: str | torch.device = "cpu", **translator_options) -> HybridKVPool:
+    """Allocator, translator and pool wired together. `stats` is the engine's TranslationStats."""
+    from runtime.mem_cache.translation import make_translator
+
+    allocator = HybridAllocator(full_size, swa_size, page_size, device)
+    translator = make_translator(policy, allocator, stats, reporter, **translator_options)
+    return HybridKVPool(allocator, layer_is_swa, num_kv_heads, head_dim, dtype, translator, device)
