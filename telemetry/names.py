@@ -77,3 +77,27 @@ LOG_EVENT_NAMES = ("loc_key_change", OTHER)
 def fold(value: str, allowed: tuple[str, ...]) -> str:
     """Return `value` if it is in the closed set `allowed`, else `other` (keeps label cardinality bounded)."""
     return value if value in allowed else OTHER
+
+
+def with_other(values: tuple[str, ...]) -> tuple[str, ...]:
+    """`values` plus `other` when missing: the label values a metric exposes from start-up.
+
+    Every value `fold` can produce must already exist at 0, or a folded unknown value would be born at 1 and be
+    invisible to `increase()`; so sets that lack `other` get it appended in the exposition.
+    """
+    return values if OTHER in values else (*values, OTHER)
+
+
+# Exposed label value sets (contract set + `other`), in the order the collector emits them.
+PATH_LABELS = with_other(PATHS)
+MISS_REASON_LABELS = with_other(MISS_REASONS)
+CLASSIFICATION_LABELS = with_other(CLASSIFICATIONS)
+INVALIDATION_SITE_LABELS = with_other(INVALIDATION_SITES)
+TRANSLATE_SITE_LABELS = with_other(TRANSLATE_SITES)
+FORWARD_MODE_LABELS = with_other(FORWARD_MODES)
+REQUEST_STATUS_LABELS = with_other(REQUEST_STATUSES)
+LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
+# kv_tokens is a gauge read from the pools at scrape time: exactly KV_POOLS x KV_STATES, no `other`.
+
+# Structured log event names (the `event` label of LOG_EVENTS_SUPPRESSED).
+LOC_KEY_CHANGE_EVENT = "loc_key_change"

@@ -1,0 +1,167 @@
+"""The scrape-time Prometheus collector: reads `EngineStats` and yields every metric of SPEC §5.
+
+Names come from `telemetry.names`. Counter names there end in `_total`; `CounterMetricFamily` strips the
+suffix from the family name and puts it back on the sample, so the exposed samples are exactly the names in
+the table (`swa_runtime_loc_cache_hits_total{...}`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.utils import floatToGoString
+
+from telemetry import names
+from telemetry.stats import EngineStats, PlainHistogram, TranslationStats
+
+
+class TelemetryCollector:
+    """A custom collector: no state of its own, every value is read from `stats` when Prometheus scrapes."""
+
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+        # Non-active policies are exposed at 0 so that per-policy queries and dashboards always find a series.
+        self._idle = {p: TranslationStats(p) for p in names.POLICIES}
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._translation()
+        yield from self._forwards()
+        yield from self._kv()
+        yield from self._requests()
+        yield from self._logging_and_build()
+
+    def _policies(self) -> Iterator[TranslationStats]:
+        active = self._stats.translation
+        for policy in names.POLICIES:
+            yield active if policy == active.policy else self._idle[policy]
+
+    def _translation(self) -> Iterator[Metric]:
+        hits = CounterMetricFamily(
+            names.LOC_CACHE_HITS,
+            "Translation cache lookups that returned the cached value.",
+            labels=["policy", "path"],
+        )
+        misses = CounterMetricFamily(
+            names.LOC_CACHE_MISSES,
+            "Translation cache lookups that recomputed, by reason.",
+            labels=["policy", "path", "reason"],
+        )
+        invalidations = CounterMetricFamily(
+            names.LOC_CACHE_INVALIDATIONS,
+            "Translation cache invalidations, by mutation or lifecycle site.",
+            labels=["policy", "site"],
+        )
+        events = CounterMetricFamily(
+            names.LOC_KEY_CHANGE_EVENTS,
+            "Classified key-change events at translate call sites; every class but benign_fresh_tensor is a bug.",
+            labels=["policy", "site", "classification"],
+        )
+        translations = CounterMetricFamily(
+            names.LOC_TRANSLATIONS, "Full-to-SWA location gathers actually executed.", labels=["policy"]
+        )
+        for t in self._policies():
+            p = t.policy
+            for path, n in t.hit_counts.items():
+                hits.add_metric([p, path], n)
+            for (path, reason), n in t.miss_counts.items():
+                misses.add_metric([p, path, reason], n)
+            for site, n in t.invalidation_counts.items():
+                invalidations.add_metric([p, site], n)
+            for (site, classification), n in t.key_change_counts.items():
+                events.add_metric([p, site, classification], n)
+            translations.add_metric([p], t.translation_count)
+        yield from (hits, misses, invalidations, events, translations)
+
+    def _forwards(self) -> Iterator[Metric]:
+        s = self._stats
+        total = CounterMetricFamily(names.FORWARD_TOTAL, "Model forwards, by mode.", labels=["mode"])
+        seconds = HistogramMetricFamily(
+            names.FORWARD_SECONDS, "Model forward wall time in seconds, by mode.", labels=["mode"], unit="seconds"
+        )
+        for mode, n in s.forward_counts.items():
+            total.add_metric([mode], n)
+            _add_histogram(seconds, [mode], s.forward_seconds[mode])
+        yield from (total, seconds)
+
+    def _kv(self) -> Iterator[Metric]:
+        s = self._stats
+        # Only the contract's (pool, state) pairs are exposed; others from the callback are ignored, since
+        # gauges from unknown pools cannot be meaningfully summed into `other`.
+        reported = s.kv_tokens_fn()
+        kv = GaugeMetricFamily(names.KV_TOKENS, "KV pool slots by pool and state.", labels=["pool", "state"])
+        for pool in names.KV_POOLS:
+            for state in names.KV_STATES:
+                kv.add_metric([pool, state], reported.get((pool, state), 0))
+        yield kv
+        yield _counter(
+            names.SWA_EVICTED_TOKENS, "Tokens whose SWA slots were freed on leaving the window.", s.swa_evicted_tokens
+        )
+        yield _counter(names.HICACHE_OFFLOADS, "Requests whose KV was offloaded to host memory.", s.hicache_offloads)
+        yield _counter(
+            names.HICACHE_LOADBACKS, "Requests whose KV was loaded back from host memory.", s.hicache_loadbacks
+        )
+
+    def _requests(self) -> Iterator[Metric]:
+        s = self._stats
+        requests = CounterMetricFamily(names.REQUESTS_TOTAL, "Requests by final status.", labels=["status"])
+        for status, n in s.request_counts.items():
+            requests.add_metric([status], n)
+        yield requests
+        yield _counter(names.PROMPT_TOKENS, "Prompt tokens processed.", s.prompt_tokens)
+        yield _counter(names.GENERATION_TOKENS, "Tokens generated.", s.generation_tokens)
+        for name, doc, hist in (
+            (names.TIME_TO_FIRST_TOKEN, "Time to first token in seconds.", s.ttft),
+            (names.INTER_TOKEN_LATENCY, "Time between consecutive output tokens in seconds.", s.itl),
+            (names.E2E_REQUEST_LATENCY, "Request latency from arrival to finish in seconds.", s.e2e),
+        ):
+            family = HistogramMetricFamily(name, doc, labels=[], unit="seconds")
+            _add_histogram(family, [], hist)
+            yield family
+        running, queued = s.queue_fn()
+        yield GaugeMetricFamily(names.NUM_RUNNING_REQS, "Requests in the running batch.", value=running)
+        yield GaugeMetricFamily(names.NUM_QUEUE_REQS, "Requests waiting to be scheduled.", value=queued)
+
+    def _logging_and_build(self) -> Iterator[Metric]:
+        s = self._stats
+        suppressed = CounterMetricFamily(
+            names.LOG_EVENTS_SUPPRESSED, "Log records dropped by the rate limiter, by event.", labels=["event"]
+        )
+        for event, n in s.suppressed_counts.items():
+            suppressed.add_metric([event], n)
+        yield suppressed
+        b = s.build_info
+        info = GaugeMetricFamily(
+            names.BUILD_INFO, "Build and configuration; always 1.", labels=["version", "model", "policy", "backend"]
+        )
+        info.add_metric([b.version, b.model, b.policy, b.backend], 1)
+        yield info
+
+
+def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _add_histogram(family: HistogramMetricFamily, labels: list[str], hist: PlainHistogram) -> None:
+    snap = hist.snapshot()
+    buckets = [(floatToGoString(bound), n) for bound, n in snap.buckets]
+    family.add_metric(labels, buckets, sum_value=snap.sum)
+
+
+def make_registry(stats: EngineStats, *, process_collectors: bool = False) -> CollectorRegistry:
+    """A fresh registry holding only our collector (plus process/platform/GC collectors when asked)."""
+    registry = CollectorRegistry()
+    registry.register(TelemetryCollector(stats))
+    if process_collectors:
+        from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+        ProcessCollector(registry=registry)
+        PlatformCollector(registry=registry)
+        GCCollector(registry=registry)
+    return registry

@@ -1,0 +1,147 @@
+"""The translation-cache lookup classifier and the key-change event record (SPEC §5).
+
+The classifier is a pure function of what the memo cache observed, so the rules can be tested (and
+re-stated) without torch or an engine. It runs on every lookup: verdicts are precomputed immutable objects,
+so classifying allocates nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class LookupFacts:
+    """What the runtime's memo cache observed for one lookup."""
+
+    has_entry: bool
+    invalidated_since_fill: bool  # an invalidation emptied the cache since the last fill
+    capturing: bool  # a graph capture run is in progress
+    entry_before_capture_run: bool  # entry was filled before the current capture run began
+    same_key: bool
+    same_view: bool  # same data pointer and same storage as the view the entry was filled from
+    guard_equal: bool  # loc version, mapping version and mapping generation unchanged
+    entry_from_earlier_forward: bool
+
+
+@dataclass(frozen=True, slots=True)
+class LookupVerdict:
+    """How one lookup is counted and what the cache returns."""
+
+    hit: bool  # counted as a hit
+    reason: str | None  # miss reason (names.MISS_REASONS) when not hit
+    classification: str | None  # names.CLASSIFICATIONS, or None when nothing noteworthy happened
+    use_cached: bool  # return the cached value (on a hit, and on a stale hit with the guard off)
+
+
+HIT = LookupVerdict(hit=True, reason=None, classification=None, use_cached=True)
+MISS_COLD = LookupVerdict(hit=False, reason="cold", classification=None, use_cached=False)
+MISS_INVALIDATED = LookupVerdict(hit=False, reason="invalidated", classification=None, use_cached=False)
+CAPTURE_POLLUTION = LookupVerdict(
+    hit=False, reason="capture", classification="capture_pollution", use_cached=False
+)
+VIEW_OFFSET = LookupVerdict(hit=False, reason="key_changed", classification="view_offset", use_cached=False)
+STALE_LOC = LookupVerdict(hit=False, reason="stale_guard", classification="stale_loc", use_cached=False)
+# The unguarded design returned the stale value and counted it as a hit; the event still records it.
+STALE_LOC_UNGUARDED = LookupVerdict(hit=True, reason=None, classification="stale_loc", use_cached=True)
+CROSS_FORWARD_HIT = LookupVerdict(hit=True, reason=None, classification="cross_forward", use_cached=True)
+CROSS_FORWARD_MISS = LookupVerdict(
+    hit=False, reason="key_changed", classification="cross_forward", use_cached=False
+)
+BENIGN_FRESH_TENSOR = LookupVerdict(
+    hit=False, reason="key_changed", classification="benign_fresh_tensor", use_cached=False
+)
+
+
+def classify_lookup(facts: LookupFacts, guard: bool = True) -> LookupVerdict:
+    """Apply SPEC §5 rules 2-8 in order (rule 1, the one-off bypass, never reaches a lookup).
+
+    `guard=False` reproduces the original unguarded memo: a same-key entry whose guard changed is still
+    returned (and counted as a hit), but classified `stale_loc` so the event is not lost.
+    """
+    return classify_flags(
+        facts.has_entry,
+        facts.invalidated_since_fill,
+        facts.capturing,
+        facts.entry_before_capture_run,
+        facts.same_key,
+        facts.same_view,
+        facts.guard_equal,
+        facts.entry_from_earlier_forward,
+        guard,
+    )
+
+
+def classify_flags(
+    has_entry: bool,
+    invalidated_since_fill: bool,
+    capturing: bool,
+    entry_before_capture_run: bool,
+    same_key: bool,
+    same_view: bool,
+    guard_equal: bool,
+    entry_from_earlier_forward: bool,
+    guard: bool = True,
+) -> LookupVerdict:
+    """`classify_lookup` on plain arguments, for a hot path that cannot afford to build a `LookupFacts`.
+
+    (Building the frozen dataclass costs several times more than classifying it.)
+    """
+    if not has_entry:
+        return MISS_INVALIDATED if invalidated_since_fill else MISS_COLD
+    if capturing and entry_before_capture_run:
+        return CAPTURE_POLLUTION
+    if same_key:
+        if not same_view:
+            return VIEW_OFFSET
+        if not guard_equal:
+            return STALE_LOC if guard else STALE_LOC_UNGUARDED
+        return CROSS_FORWARD_HIT if entry_from_earlier_forward else HIT
+    return CROSS_FORWARD_MISS if entry_from_earlier_forward else BENIGN_FRESH_TENSOR
+
+
+@dataclass(frozen=True, slots=True)
+class KeyChangeEvent:
+    """One classified key change, with where the stale or replaced entry came from.
+
+    `forward_id` and `mode` may be None when the caller leaves them to the logging context
+    (`telemetry.logging.bind_forward`).
+    """
+
+    policy: str
+    site: str  # translate call site (names.TRANSLATE_SITES)
+    classification: str  # names.CLASSIFICATIONS
+    forward_id: int | None
+    mode: str | None
+    prev_site: str | None  # the site that filled the entry
+    prev_forward_id: int | None
+    prev_mode: str | None
+    cause: str | None  # the mutation or invalidation that made the entry stale, where known
+    key: tuple
+    prev_key: tuple | None
+    stack: str  # caller_stack() summary
+
+    def as_dict(self) -> dict:
+        """The event as a flat dict (structured log keys)."""
+        return asdict(self)
+
+
+def caller_stack(skip: int = 0, limit: int = 6) -> str:
+    """Summarise the caller's frames as `dir/file.py:line function`, innermost last.
+
+    `skip=0` starts at the function that calls `caller_stack`; each extra `skip` drops one more inner frame
+    (e.g. the cache's own helpers). Walks frame objects without reading source files, so it is cheap, but it
+    is still only for when an event is emitted, never for hits.
+    """
+    frame = sys._getframe(skip + 1)
+    parts = []
+    while frame is not None and len(parts) < limit:
+        code = frame.f_code
+        path = code.co_filename
+        short = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
+        parts.append(f"{short}:{frame.f_lineno} {code.co_name}")
+        frame = frame.f_back
+    parts.reverse()
+    return " > ".join(parts)

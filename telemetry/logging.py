@@ -1,0 +1,119 @@
+"""Structured logging (structlog) and the reporter that turns key-change events into counts and logs.
+
+Forward id and mode live in contextvars (`bind_forward`), so every record made during a forward carries them
+without threading them through the call chain. Bug-class events are logged at WARNING, rate-limited per
+(site, classification) with suppressed repeats counted; benign ones are counted and logged at debug.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, TextIO
+
+import structlog
+from structlog.contextvars import bind_contextvars, merge_contextvars, unbind_contextvars
+
+from telemetry import names
+from telemetry.events import KeyChangeEvent
+from telemetry.names import fold
+from telemetry.ratelimit import RateLimiter
+from telemetry.stats import EngineStats
+
+LOGGER_NAME = "swa_runtime.telemetry"
+
+
+def configure_logging(fmt: str = "json", level: str | int = "INFO", stream: TextIO | None = None) -> None:
+    """Configure structlog process-wide: contextvars, level, ISO UTC timestamp, then JSON or console output."""
+    if fmt not in ("json", "console"):
+        raise ValueError(f"log format must be 'json' or 'console', got {fmt!r}")
+    level_no = level if isinstance(level, int) else logging.getLevelName(level.upper())
+    if not isinstance(level_no, int):
+        raise ValueError(f"unknown log level {level!r}")
+    stream = stream if stream is not None else sys.stderr
+    processors: list[Any] = [
+        merge_contextvars,
+        structlog.processors.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+        structlog.processors.StackInfoRenderer(),
+    ]
+    if fmt == "json":
+        processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
+    else:
+        processors.append(structlog.dev.ConsoleRenderer(colors=stream.isatty()))
+    structlog.configure(
+        processors=processors,
+        wrapper_class=structlog.make_filtering_bound_logger(level_no),
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
+        cache_logger_on_first_use=True,
+    )
+
+
+def bind_forward(forward_id: int, mode: str) -> None:
+    """Tag every record made in this context (thread or task) with the current forward."""
+    bind_contextvars(forward_id=forward_id, mode=mode)
+
+
+def clear_forward() -> None:
+    unbind_contextvars("forward_id", "mode")
+
+
+def _is_enabled(logger: Any, level: int) -> bool:
+    check = getattr(logger, "is_enabled_for", None)
+    return True if check is None else bool(check(level))
+
+
+class EventReporter:
+    """Counts every key-change event, logs the bug-class ones, and remembers the first of each kind.
+
+    The first occurrence per (site, classification) is kept (at most `max_first_events` of them) for
+    diagnostics, whatever the rate limiter decided about logging it.
+    """
+
+    def __init__(
+        self,
+        stats: EngineStats,
+        limiter: RateLimiter,
+        logger: Any = None,
+        max_first_events: int = 64,
+    ):
+        self._stats = stats
+        self._limiter = limiter
+        self._log = logger if logger is not None else structlog.get_logger(LOGGER_NAME)
+        self._max_first = max_first_events
+        self._first: dict[tuple[str, str], KeyChangeEvent] = {}
+        self._suppressed_since: dict[tuple[str, str], int] = {}
+
+    def report(self, event: KeyChangeEvent) -> None:
+        site = fold(event.site, names.TRANSLATE_SITE_LABELS)
+        classification = fold(event.classification, names.CLASSIFICATION_LABELS)
+        self._stats.translation.key_change(site, classification)
+        key = (site, classification)
+        if key not in self._first and len(self._first) < self._max_first:
+            self._first[key] = event
+        if classification == "benign_fresh_tensor":
+            if _is_enabled(self._log, logging.DEBUG):
+                self._log.debug(names.LOC_KEY_CHANGE_EVENT, **_log_fields(event))
+            return
+        if not self._limiter.allow(key):
+            self._stats.log_suppressed(names.LOC_KEY_CHANGE_EVENT)
+            self._suppressed_since[key] = self._suppressed_since.get(key, 0) + 1
+            return
+        self._log.warning(
+            names.LOC_KEY_CHANGE_EVENT,
+            suppressed_since_last=self._suppressed_since.pop(key, 0),
+            **_log_fields(event),
+        )
+
+    def first_events(self) -> list[KeyChangeEvent]:
+        """The first event of each (site, classification) seen, in order of first occurrence."""
+        return list(self._first.values())
+
+
+def _log_fields(event: KeyChangeEvent) -> dict[str, Any]:
+    # forward_id and mode left as None are filled from the contextvars bound by bind_forward.
+    fields = event.as_dict()
+    for name in ("forward_id", "mode"):
+        if fields[name] is None:
+            del fields[name]
+    return fields

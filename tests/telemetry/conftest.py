@@ -1,0 +1,56 @@
+"""Fixtures for telemetry tests: fresh stats and registry per test, structlog and contextvars reset."""
+
+import logging
+
+import pytest
+import structlog
+from structlog.contextvars import clear_contextvars, merge_contextvars
+
+from telemetry.collector import make_registry
+from telemetry.stats import EngineStats
+
+
+@pytest.fixture(autouse=True)
+def _reset_structlog():
+    structlog.reset_defaults()
+    clear_contextvars()
+    yield
+    structlog.reset_defaults()
+    clear_contextvars()
+
+
+@pytest.fixture
+def stats():
+    return EngineStats("memo", model="tiny-random", backend="torch", version="0.1.0-test")
+
+
+@pytest.fixture
+def registry(stats):
+    return make_registry(stats)
+
+
+class CaptureProcessor:
+    """Records each event dict as the renderer would see it (after merge_contextvars), then drops it."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def __call__(self, logger, method_name, event_dict):
+        self.records.append(dict(event_dict))
+        raise structlog.DropEvent
+
+
+@pytest.fixture
+def capture_logs_at():
+    """Return `configure(level) -> CaptureProcessor`: structlog set to capture records at that level."""
+
+    def configure(level: int = logging.DEBUG) -> CaptureProcessor:
+        capture = CaptureProcessor()
+        structlog.configure(
+            processors=[merge_contextvars, structlog.processors.add_log_level, capture],
+            wrapper_class=structlog.make_filtering_bound_logger(level),
+            cache_logger_on_first_use=False,
+        )
+        return capture
+
+    return configure
