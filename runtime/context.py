@@ -35,15 +35,17 @@ def get_forward_context() -> ForwardContext:
 
 
 @contextmanager
-def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+def forward_context(ctx: ForwardContext, bind_logging: bool = True) -> Iterator[ForwardContext]:
     """Install `ctx` for one forward; the forward id and mode also go into structured-log context."""
     global _current
     if _current is not IDLE:
         raise RuntimeError(f"forward {ctx.forward_id} started inside forward {_current.forward_id}")
     _current = ctx
-    bind_forward(ctx.forward_id, ctx.mode)
+    if bind_logging:
+        bind_forward(ctx.forward_id, ctx.mode)
     try:
         yield ctx
     finally:
         _current = IDLE
-        clear_forward()
+        if bind_logging:
+            clear_forward()

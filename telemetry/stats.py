@@ -214,3 +214,24 @@ class EngineStats:
             self.suppressed_counts[event] += 1
         except KeyError:
             self.suppressed_counts[fold(event, names.LOG_EVENT_LABELS)] += 1
+
+
+class NullTranslationStats(TranslationStats):
+    """Counts nothing: what `--no-telemetry` runs with, so benchmarks can measure what counting costs."""
+
+    __slots__ = ()
+
+    def hit(self, path: str) -> None:
+        pass
+
+    def miss(self, path: str, reason: str) -> None:
+        pass
+
+    def invalidation(self, site: str) -> None:
+        pass
+
+    def key_change(self, site: str, classification: str) -> None:
+        pass
+
+    def translations(self, n: int = 1) -> None:
+        pass

@@ -1,0 +1,5 @@
+import sys
+
+from runtime.cli import main
+
+sys.exit(main())

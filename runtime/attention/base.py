@@ -1,0 +1,90 @@
+"""Attention backend interface: metadata once per forward, then one call per layer.
+
+`init_forward_metadata` runs once per forward, before the first layer: it lists each request's keys (all of
+them for full layers, the window for sliding layers, already translated to SWA slots) and, under the
+`per_forward` policy, translates the write location once. `forward` then writes the layer's new k/v into its
+pool and attends. Graph capture/replay needs nothing more: the metadata is rebuilt from the static buffers
+on every replay, so its addresses and the padded entries (slot 0, the sink) stay valid.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from runtime.attention.sliding_window import KVIndexList, build_kv_index_list, to_index_list, window_index_list
+from runtime.executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class AttentionMetadata:
+    qo_indptr: torch.Tensor  # (B+1,) int32 offsets of each request's new tokens in T
+    q_positions: torch.Tensor  # (T,) int32
+    full: KVIndexList  # keys of full-attention layers (full-pool slots)
+    swa: KVIndexList | None  # keys of sliding layers (SWA-pool slots), None when the model has none
+    swa_out_loc: torch.Tensor | None  # write location in SWA slots, only under the per_forward policy
+    max_extend_len: int
+
+
+class AttentionBackend(ABC):
+    name = "base"
+
+    def __init__(self, pool, req_to_token, sliding_window: int | None):
+        self.pool = pool  # HybridKVPool
+        self.req_to_token = req_to_token  # ReqToTokenPool
+        self.sliding_window = sliding_window
+        self.batch: ForwardBatch | None = None
+        self.meta: AttentionMetadata | None = None
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        table = self.req_to_token.req_to_token
+        full_slots, starts, lens = build_kv_index_list(table, batch.req_rows, batch.prefix_lens, batch.seq_lens, None)
+        swa = None
+        if self.sliding_window is not None:
+            swa = window_index_list(self.pool, table, batch.req_rows, batch.prefix_lens, batch.seq_lens,
+                                    self.sliding_window)
+        swa_out_loc = None
+        if self.pool.translator.policy == "per_forward":
+            swa_out_loc = self.pool.translate_loc_from_full_to_swa(batch.out_cache_loc, "attn_metadata")
+        extend = batch.extend_lens
+        qo = torch.zeros(len(extend) + 1, dtype=torch.int32)
+        qo[1:] = torch.tensor(extend, dtype=torch.int32).cumsum(0)
+        device = batch.input_ids.device
+        self.meta = AttentionMetadata(
+            qo_indptr=qo.to(device),
+            q_positions=batch.positions.to(torch.int32),
+            full=to_index_list(full_slots, starts, lens),
+            swa=swa,
+            swa_out_loc=swa_out_loc,
+            max_extend_len=max(extend) if extend else 0,
+        )
+        self.batch = batch
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
+        """q (T, H, D), k/v (T, Hkv, D) → (T, H, D). Writes k/v first: a token attends to itself."""
+        meta = self.meta
+        sliding = layer.sliding_window is not None
+        self.pool.set_kv_buffer(layer.layer_id, self.batch.out_cache_loc, k, v,
+                                swa_loc=meta.swa_out_loc if sliding else None)
+        k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
+        keys = meta.swa if sliding else meta.full
+        return self.attend(q, k_buf, v_buf, keys, layer)
+
+    @abstractmethod
+    def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
+        """Attention of the batch's queries over `keys` (causal, windowed on sliding layers)."""
+
+
+def make_backend(name: str, pool, req_to_token, sliding_window: int | None) -> AttentionBackend:
+    """Registry with lazy imports: Triton loads only when chosen."""
+    if name == "torch":
+        from runtime.attention.torch_native import TorchNativeBackend
+
+        return TorchNativeBackend(pool, req_to_token, sliding_window)
+    if name == "triton":
+        from runtime.attention.triton_backend import TritonBackend
+
+        return TritonBackend(pool, req_to_token, sliding_window)
+    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -1,0 +1,132 @@
+"""`swa-runtime` command line: generate | bench | serve | diagnose."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runtime.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+from runtime.faults import FAULTS
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=d.model, help="gemma3-270m (default), tiny, a .gguf file or a HF directory")
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)
+    g.add_argument("--loc-cache", choices=POLICIES, default=d.loc_cache, help="full→SWA translation policy")
+    g.add_argument("--loc-cache-guard", choices=("on", "off"), default="on",
+                   help="version guard on memo/layerwise entries (off reproduces the unguarded design)")
+    g.add_argument("--loc-cache-verify", type=float, default=d.loc_cache_verify, metavar="RATE",
+                   help="fraction of cache hits recomputed and compared")
+    g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
+    g.add_argument("--page-size", type=int, default=d.page_size)
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="full KV pool size in tokens")
+    g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
+                   help="SWA pool size as a fraction of the full pool")
+    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--seed", type=int, default=d.seed)
+    g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
+                   help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
+    g.add_argument("--log-format", choices=("console", "json"), default="console")
+    g.add_argument("--log-level", default="WARNING")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, attention_backend=args.attention_backend, loc_cache=args.loc_cache,
+        loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
+        graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
+        swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
+        context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
+        inject=tuple(args.inject),
+    )
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--input-ids wants comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from runtime.engine import Engine
+    from runtime.layers.sampler import SamplingParams
+    from telemetry.logging import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    if not args.prompt and not args.input_ids:
+        print("error: give at least one --prompt or --input-ids", file=sys.stderr)
+        return 2
+    engine = Engine(engine_config(args), progress=not args.json)
+    tok = engine.tokenizer
+    prompts = [(text, tok.encode(text)) for text in args.prompt] + [(None, ids) for ids in args.input_ids]
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, ignore_eos=args.ignore_eos)
+    outputs = engine.generate([ids for _, ids in prompts], params)
+    for (text, ids), out in zip(prompts, outputs):
+        completion = tok.decode(out)
+        if args.json:
+            print(json.dumps({"prompt": text, "input_ids": ids, "output_ids": out, "text": completion}))
+        else:
+            print(f"--- {text if text is not None else ids}\n{completion}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from runtime.bench import run_bench
+
+    return run_bench(args, engine_config(args))
+
+
+def cmd_not_yet(args: argparse.Namespace) -> int:
+    print(f"error: `swa-runtime {args.command}` is not implemented yet", file=sys.stderr)
+    return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="swa-runtime", description="Hybrid sliding-window-attention inference "
+                                     "runtime with an observable KV location translation cache")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation for one or more prompts")
+    add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    gen.add_argument("--input-ids", action="append", type=parse_ids, default=[], help="comma-separated token ids")
+    gen.add_argument("--max-new-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    gen.set_defaults(func=cmd_generate)
+
+    bench = sub.add_parser("bench", help="throughput vs transformers, KV bytes, telemetry overhead")
+    add_engine_args(bench)
+    bench.add_argument("--prompt-len", type=int, default=600, help="prompt tokens (longer than the window)")
+    bench.add_argument("--gen-len", type=int, default=32)
+    bench.add_argument("--batch-sizes", default="1,8")
+    bench.add_argument("--skip-transformers", action="store_true")
+    bench.set_defaults(func=cmd_bench)
+
+    for name in ("serve", "diagnose"):
+        sub.add_parser(name, help="(not implemented yet)").set_defaults(func=cmd_not_yet)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as exc:  # configuration and capacity errors: say what is wrong
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,38 @@
+"""ForwardBatch: the flattened tokens of one forward and where their KV lives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over B requests. Extend: each request adds `extend_lens[b]` tokens after a cached prefix
+    of `prefix_lens[b]`; decode: each adds one. Tokens are flattened request by request (T tokens in all)."""
+
+    is_decode: bool
+    input_ids: torch.Tensor  # (T,) int64
+    positions: torch.Tensor  # (T,) int64
+    out_cache_loc: torch.Tensor  # (T,) int64 full-pool slots of the new tokens
+    req_rows: list[int]  # (B,) rows of the request→token table
+    prefix_lens: list[int]  # (B,) tokens cached before this forward
+    seq_lens: list[int]  # (B,) tokens after this forward
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_rows)
+
+    @property
+    def extend_lens(self) -> list[int]:
+        return [s - p for s, p in zip(self.seq_lens, self.prefix_lens)]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def last_token_index(self) -> torch.Tensor:
+        """(B,) index of each request's last new token in the flattened T (its logits sample the next)."""
+        ends = torch.tensor(self.extend_lens).cumsum(0) - 1
+        return ends.to(self.input_ids.device)

@@ -1,0 +1,1 @@
+"""Building blocks of the model: norm, rotary embedding, activation, linear, and the attention layer."""

@@ -1,0 +1,28 @@
+"""Gemma's RMSNorm: the weight is stored zero-centred and applied as `1 + w`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """`y = x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in float32 and cast back to x's dtype.
+
+    NOTE: the `1 + w` form is Gemma's (Hugging Face) parameterisation; ggml/GGUF files store `1 + w`
+    itself, so the loader subtracts 1. Multiplying by `1 + w` before the downcast (rather than casting
+    first, as Llama does) matches the reference implementation in bfloat16.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,0 +1,48 @@
+"""Rotary position embedding (rotate-half layout) with a precomputed float32 cos/sin table.
+
+Gemma 3 uses two bases: 10 000 on sliding-window layers and 1 000 000 on global layers (whose positions
+may also be linearly scaled). The model builds one `RotaryEmbedding` per distinct (base, factor) and
+shares it between the layers that use it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, base: float, max_position: int, scaling_factor: float = 1.0) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.base = base
+        self.max_position = max_position
+        self.scaling_factor = scaling_factor
+        # NOTE: explicit float32 everywhere: the model may be built under a bfloat16 default dtype, and
+        # angles at positions in the thousands lose every digit that matters in bfloat16.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim
+        inv_freq = 1.0 / (base**exponents) / scaling_factor  # (D/2,)
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)  # (P, D/2)
+        self.register_buffer("cos_cache", angles.cos(), persistent=False)  # (P, D/2)
+        self.register_buffer("sin_cache", angles.sin(), persistent=False)  # (P, D/2)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
+        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
+        sin = self.sin_cache[positions].unsqueeze(1)  # (T, 1, D/2)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def extra_repr(self) -> str:
+        return (
+            f"head_dim={self.head_dim}, base={self.base:g}, max_position={self.max_position}, "
+            f"scaling_factor={self.scaling_factor:g}"
+        )
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Pairs (x[i], x[i + D/2]) turn by the angle of frequency i; computed in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, H, D)
+    return rotated.to(x.dtype)

@@ -1,0 +1,293 @@
+"""Weights and config from a GGUF file or a Hugging Face directory, and the model built from them.
+
+Every source yields the same thing: a `Gemma3Config` and a state dict in this runtime's parameter names
+(Hugging Face's, see `gemma3.py`) and parameterisation (norm weights zero-centred, applied as `1 + w`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from runtime.models.config import (
+    DEFAULT_ROPE_LOCAL_BASE_FREQ,
+    DEFAULT_SLIDING_WINDOW_PATTERN,
+    Gemma3Config,
+    RopeScaling,
+    pattern_layer_types,
+)
+from runtime.models.gemma3 import Gemma3ForCausalLM
+
+StateDict = dict[str, torch.Tensor]
+
+# GGUF tensor name -> ours. `blk.N.` becomes `model.layers.N.`.
+_GGUF_TOP_LEVEL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_PER_LAYER = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.weight$")
+
+
+def gguf_to_param_name(name: str) -> str:
+    """`blk.3.ffn_norm.weight` -> `model.layers.3.pre_feedforward_layernorm.weight`."""
+    if name in _GGUF_TOP_LEVEL:
+        return _GGUF_TOP_LEVEL[name]
+    m = _GGUF_LAYER_RE.match(name)
+    if m is None or m.group(2) not in _GGUF_PER_LAYER:
+        raise ValueError(f"unexpected tensor {name!r} in a Gemma 3 GGUF file")
+    return f"model.layers.{m.group(1)}.{_GGUF_PER_LAYER[m.group(2)]}.weight"
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+# ---- GGUF ------------------------------------------------------------------------------------------------
+
+
+def load_gguf(
+    path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[Gemma3Config, StateDict]:
+    """Read a Gemma 3 GGUF file: its config and its dequantised tensors under our names."""
+    from gguf import GGUFReader
+
+    # NOTE: GGUFReader parses every metadata array element by element; for Gemma's 262k-token vocabulary
+    # that is most of the load time (~10 s), more than dequantising the weights.
+    reader = GGUFReader(str(path))
+    return config_from_gguf(reader), state_dict_from_gguf(reader, dtype, progress)
+
+
+def state_dict_from_gguf(reader, dtype: torch.dtype = torch.float32, progress: bool = True) -> StateDict:
+    """Dequantise every tensor of an open `gguf.GGUFReader` into our names and parameterisation.
+
+    NOTE: ggml applies RMSNorm weights as plain multipliers, so llama.cpp's converter stores Gemma's
+    `1 + w`; we subtract the 1 back. Quantised tensors are dequantised by `gguf.quants.dequantize` into
+    numpy's row-major (out_features, in_features) layout, which is already `torch.nn.functional.linear`'s;
+    ggml lists the same shape reversed.
+    """
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    state: StateDict = {}
+    for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress):
+        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if values.shape != expected:
+            raise ValueError(f"{tensor.name}: dequantised shape {values.shape} != ggml shape reversed {expected}")
+        if _is_norm(tensor.name):
+            values = values - np.float32(1.0)
+        state[gguf_to_param_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+    return state
+
+
+def config_from_gguf(reader) -> Gemma3Config:
+    """The config of an open `gguf.GGUFReader`'s Gemma 3 model (metadata under `gemma3.*`)."""
+    arch = _field(reader, "general.architecture")
+    if arch != "gemma3":
+        raise ValueError(f"only Gemma 3 GGUF files are supported, this one is {arch!r}")
+
+    def key(name: str, default=None):
+        value = _field(reader, f"gemma3.{name}", default)
+        if value is None:
+            raise ValueError(f"GGUF file lacks gemma3.{name}")
+        return value
+
+    tensors = {t.name: t for t in reader.tensors}
+    num_layers = int(key("block_count"))
+    hidden = int(key("embedding_length"))
+    heads = int(key("attention.head_count"))
+    head_dim = int(key("attention.key_length"))
+    if int(key("attention.value_length", head_dim)) != head_dim:
+        raise ValueError("Gemma 3 needs key_length == value_length")
+    # The file states no per-layer pattern, no local RoPE base and no query scale: llama.cpp hard-codes
+    # them for gemma3 (swa pattern 6; local base 10 000; queries scaled by head_dim**-0.5, except the 27B
+    # model, 62 layers, which uses (hidden / heads)**-0.5). We follow the same rules.
+    query_scalar = hidden // heads if num_layers == 62 else head_dim
+    scaling = None
+    scaling_type = _field(reader, "gemma3.rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        scaling = RopeScaling(rope_type=scaling_type, factor=float(key("rope.scaling.factor")))
+    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
+    return Gemma3Config(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(key("attention.head_count_kv")),
+        head_dim=head_dim,
+        sliding_window=int(key("attention.sliding_window")),
+        layer_types=pattern_layer_types(num_layers, DEFAULT_SLIDING_WINDOW_PATTERN),
+        query_pre_attn_scalar=query_scalar,
+        max_position_embeddings=int(key("context_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(key("rope.freq_base")),
+        rope_local_base_freq=DEFAULT_ROPE_LOCAL_BASE_FREQ,
+        rope_scaling=scaling,
+        final_logit_softcapping=_field(reader, "gemma3.final_logit_softcapping"),
+        attn_logit_softcapping=_field(reader, "gemma3.attn_logit_softcapping"),
+        tie_word_embeddings="output.weight" not in tensors,
+        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+        eos_token_ids=(eos,),
+        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+    )
+
+
+def _field(reader, name: str, default=None):
+    field = reader.get_field(name)
+    return default if field is None else field.contents()
+
+
+# ---- Hugging Face directory ------------------------------------------------------------------------------
+
+# Prefixes of the text model's weights in Hugging Face checkpoints -> ours.
+_HF_PREFIXES = (
+    ("model.language_model.", "model."),  # Gemma3ForConditionalGeneration, transformers v5
+    ("language_model.model.", "model."),  # Gemma3ForConditionalGeneration, transformers v4
+    ("language_model.lm_head.", "lm_head."),
+    ("model.", "model."),
+    ("lm_head.", "lm_head."),
+)
+
+
+def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[Gemma3Config, StateDict]:
+    """`config.json` plus `*.safetensors` of a Gemma 3 (text) checkpoint; vision weights are ignored."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = Gemma3Config.from_hf_dict(json.loads((path / "config.json").read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    state: StateDict = {}
+    for file in files:
+        for name, tensor in load_file(str(file)).items():
+            ours = _hf_param_name(name)
+            if ours is not None:
+                state[ours] = tensor.to(dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return config, state
+
+
+def _hf_param_name(name: str) -> str | None:
+    for prefix, replacement in _HF_PREFIXES:
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None  # vision tower, projector
+
+
+# ---- random weights (the tiny test model) ---------------------------------------------------------------
+
+
+def random_state_dict(config: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> StateDict:
+    """Deterministic random weights for `config` (same seed, same weights on every machine).
+
+    Scaled so that activations stay O(1) and the logits spread widely: a random model whose logits are
+    all near zero would make argmax comparisons meaningless. Norm weights are non-zero so that `1 + w`
+    is exercised.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    state: StateDict = {}
+    for name, shape in expected_shapes(config).items():
+        if name.endswith("norm.weight"):
+            values = 0.2 * torch.randn(shape, generator=gen)
+        elif name.endswith("embed_tokens.weight"):
+            values = torch.randn(shape, generator=gen)
+        else:  # (out, in) projections
+            values = torch.randn(shape, generator=gen) * shape[1] ** -0.5
+        state[name] = values.to(dtype)
+    return state
+
+
+def expected_shapes(config: Gemma3Config) -> dict[str, tuple[int, ...]]:
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, hidden),
+        "model.norm.weight": (hidden,),
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_out, hidden),
+            p + "self_attn.k_proj.weight": (kv_out, hidden),
+            p + "self_attn.v_proj.weight": (kv_out, hidden),
+            p + "self_attn.o_proj.weight": (hidden, q_out),
+            p + "self_attn.q_norm.weight": (head_dim,),
+            p + "self_attn.k_norm.weight": (head_dim,),
+            p + "mlp.gate_proj.weight": (config.intermediate_size, hidden),
+            p + "mlp.up_proj.weight": (config.intermediate_size, hidden),
+            p + "mlp.down_proj.weight": (hidden, config.intermediate_size),
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "pre_feedforward_layernorm.weight": (hidden,),
+            p + "post_feedforward_layernorm.weight": (hidden,),
+        })
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+# ---- building the model ----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def build_model(
+    config: Gemma3Config, state_dict: StateDict, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> Gemma3ForCausalLM:
+    """Allocate the model directly in `dtype` on `device` and copy `state_dict` in (every weight required).
+
+    NOTE: do not `.to(dtype)` a built model: that would also cast the float32 RoPE tables.
+    """
+    with torch.device(device), _default_dtype(dtype):
+        model = Gemma3ForCausalLM(config)
+    model.load_state_dict(state_dict, strict=True)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True
+) -> tuple[Gemma3Config, Gemma3ForCausalLM]:
+    """Resolve a model name (see `registry.resolve_model`) or path and build it, ready for inference."""
+    from runtime.models.registry import resolve_model
+
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        config, state = source.config, random_state_dict(source.config, seed=source.seed)
+    elif source.kind == "gguf":
+        config, state = load_gguf(source.path, dtype=dtype, progress=progress)
+    else:
+        config, state = load_hf_dir(source.path, dtype=dtype)
+    return config, build_model(config, state, dtype=dtype, device=device)
