@@ -1,0 +1,231 @@
+"""Fixtures for the observability-stack tests: promtool, a fake runtime exporter, a live Prometheus.
+
+The fake exporter serves the metric contract (telemetry/names.py) with prometheus_client, advancing
+its counters on every scrape like a runtime under steady decode traffic, so rates, ratios and
+histogram quantiles have real values. The runtime itself is not needed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.parse
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from telemetry import names as n
+
+REPO = Path(__file__).resolve().parents[2]
+PROM_DIR = REPO / "dashboards" / "prometheus"
+
+# Per scrape of the fake runtime: 15 sliding-layer lookups per forward, the first one a miss.
+FORWARDS_PER_SCRAPE = 4
+HITS_PER_FORWARD, MISSES_PER_FORWARD = 14, 1
+
+
+def promtool_path() -> str:
+    path = shutil.which("promtool")
+    if path is None:
+        pytest.skip("promtool not on PATH (Debian package `prometheus`)")
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class FakeRuntime:
+    """prometheus_client metrics named by the contract, every label value present from the start."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.hits = Counter(n.LOC_CACHE_HITS, "hits", ["policy", "path"], registry=r)
+        self.misses = Counter(n.LOC_CACHE_MISSES, "misses", ["policy", "path", "reason"], registry=r)
+        self.invalidations = Counter(n.LOC_CACHE_INVALIDATIONS, "inv", ["policy", "site"], registry=r)
+        self.events = Counter(n.LOC_KEY_CHANGE_EVENTS, "events", ["policy", "site", "classification"], registry=r)
+        self.translations = Counter(n.LOC_TRANSLATIONS, "gathers", ["policy"], registry=r)
+        self.forwards = Counter(n.FORWARD_TOTAL, "forwards", ["mode"], registry=r)
+        self.forward_seconds = Histogram(n.FORWARD_SECONDS, "forward s", ["mode"], registry=r)
+        self.kv = Gauge(n.KV_TOKENS, "kv", ["pool", "state"], registry=r)
+        self.evicted = Counter(n.SWA_EVICTED_TOKENS, "evicted", registry=r)
+        self.offloads = Counter(n.HICACHE_OFFLOADS, "offloads", registry=r)
+        self.loadbacks = Counter(n.HICACHE_LOADBACKS, "loadbacks", registry=r)
+        self.requests = Counter(n.REQUESTS_TOTAL, "requests", ["status"], registry=r)
+        self.prompt = Counter(n.PROMPT_TOKENS, "prompt", registry=r)
+        self.generated = Counter(n.GENERATION_TOKENS, "gen", registry=r)
+        self.ttft = Histogram(n.TIME_TO_FIRST_TOKEN, "ttft", registry=r)
+        self.itl = Histogram(n.INTER_TOKEN_LATENCY, "itl", registry=r)
+        self.e2e = Histogram(n.E2E_REQUEST_LATENCY, "e2e", registry=r)
+        self.running = Gauge(n.NUM_RUNNING_REQS, "running", registry=r)
+        self.queued = Gauge(n.NUM_QUEUE_REQS, "queued", registry=r)
+        self.suppressed = Counter(n.LOG_EVENTS_SUPPRESSED, "suppressed", ["event"], registry=r)
+        build = Gauge(n.BUILD_INFO, "build", ["version", "model", "policy", "backend"], registry=r)
+        build.labels("0.1.0", "gemma3-270m", "memo", "torch").set(1)
+        for policy in n.POLICIES:
+            self.translations.labels(policy)
+            for path in n.PATHS:
+                self.hits.labels(policy, path)
+                for reason in n.MISS_REASONS:
+                    self.misses.labels(policy, path, reason)
+            for site in n.INVALIDATION_SITES:
+                self.invalidations.labels(policy, site)
+            for site in n.TRANSLATE_SITES:
+                for cls in n.CLASSIFICATIONS:
+                    if (site, cls) != ("kv_write", "stale_loc"):
+                        self.events.labels(policy, site, cls)
+        for mode in n.FORWARD_MODES:
+            self.forwards.labels(mode)
+            self.forward_seconds.labels(mode)
+        for status in n.REQUEST_STATUSES:
+            self.requests.labels(status)
+        for event in n.LOG_EVENT_NAMES:
+            self.suppressed.labels(event)
+        for pool, total in (("full", 16384), ("swa", 4096)):
+            self.kv.labels(pool, "total").set(total)
+        # Deliberately against the contract: one stale_loc series is born at 1, which increase() cannot
+        # see. The alert must still fire on it (the `unless ... offset 5m` branch).
+        self.events.labels("memo", "kv_write", "stale_loc").inc()
+        self.step = 0
+
+    def advance(self) -> None:
+        """One scrape interval of steady memo decode traffic."""
+        self.step += 1
+        f = FORWARDS_PER_SCRAPE
+        self.forwards.labels("graph_replay").inc(f)
+        for _ in range(f):
+            self.forward_seconds.labels("graph_replay").observe(0.012)
+        self.hits.labels("memo", "graph_replay").inc(HITS_PER_FORWARD * f)
+        self.misses.labels("memo", "graph_replay", "invalidated").inc(MISSES_PER_FORWARD * f)
+        self.translations.labels("memo").inc(f)
+        self.invalidations.labels("memo", "forward_entry").inc(f)
+        self.invalidations.labels("memo", "alloc").inc(f)
+        self.events.labels("memo", "window_indices", "benign_fresh_tensor").inc(1)
+        self.evicted.inc(2 * f)
+        self.prompt.inc(64)
+        self.generated.inc(8 * f)
+        self.requests.labels("finished").inc(1)
+        self.ttft.observe(0.08)
+        self.e2e.observe(0.9)
+        for _ in range(f):
+            self.itl.observe(0.015)
+        if self.step % 5 == 0:
+            self.offloads.inc()
+            self.loadbacks.inc()
+        self.kv.labels("full", "used").set(2000 + 10 * self.step)
+        self.kv.labels("full", "available").set(16384 - 2000 - 10 * self.step)
+        self.kv.labels("swa", "used").set(1024)
+        self.kv.labels("swa", "available").set(4096 - 1024)
+        self.running.set(8)
+        self.queued.set(2)
+
+    def exposition(self) -> bytes:
+        self.advance()
+        return generate_latest(self.registry)
+
+
+@pytest.fixture(scope="session")
+def fake_runtime() -> Iterator[tuple[FakeRuntime, int]]:
+    runtime = FakeRuntime()
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server API)
+            if self.path != "/metrics":
+                self.send_error(404)
+                return
+            with lock:
+                body = runtime.exposition()
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield runtime, server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def prom_query(url: str, expr: str) -> list[dict]:
+    query = urllib.parse.urlencode({"query": expr})
+    with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=5) as response:
+        return json.load(response)["data"]["result"]
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+@pytest.fixture(scope="session")
+def live_prometheus(tmp_path_factory, fake_runtime) -> Iterator[str]:
+    """A real Prometheus on loopback scraping the fake runtime every second with our rule files."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("prometheus not on PATH (Debian package `prometheus`)")
+    _, exporter_port = fake_runtime
+    work = tmp_path_factory.mktemp("prometheus")
+    config = work / "prometheus.yml"
+    config.write_text(
+        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+        f"rule_files: ['{PROM_DIR / 'rules' / 'recording.yml'}', '{PROM_DIR / 'rules' / 'alerts.yml'}']\n"
+        "scrape_configs:\n"
+        f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['127.0.0.1:{exporter_port}']}}]\n"
+    )
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = (work / "prometheus.log").open("w")
+    proc = subprocess.Popen(
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
+         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+        stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=1).status == 200, 30, "Prometheus ready")
+        wait_for(lambda: prom_query(url, "swa_runtime:loc_cache_hit_ratio:rate5m"), 30, "recording rules with data")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture
+def promtool() -> str:
+    """Path of promtool; skips the test when the binary is missing."""
+    return promtool_path()
+
+
+@pytest.fixture
+def query():
+    """`query(url, expr)` -> Prometheus instant-query result list."""
+    return prom_query
