@@ -1,21 +1,15 @@
 """Triton attention: paged decode and extend kernels over the same key lists as the torch reference.
 
-Without a GPU the kernels run in Triton's interpreter, which must be switched on before triton is first
-imported; this module does that when CUDA is absent.
+Without a GPU the kernels run in Triton's interpreter (switched on in `runtime/__init__.py`).
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from runtime.attention import triton_kernels  # noqa: E402
-from runtime.attention.base import AttentionBackend  # noqa: E402
-from runtime.attention.sliding_window import KVIndexList  # noqa: E402
+from runtime.attention import triton_kernels
+from runtime.attention.base import AttentionBackend
+from runtime.attention.sliding_window import KVIndexList
 
 
 class TritonBackend(AttentionBackend):
