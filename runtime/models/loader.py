@@ -192,11 +192,18 @@ def load_hf_dir(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[G
     return config, state
 
 
+_HF_VISION_PREFIXES = (
+    "model.vision_tower.", "model.multi_modal_projector.", "vision_tower.", "multi_modal_projector."
+)
+
+
 def _hf_param_name(name: str) -> str | None:
+    if name.startswith(_HF_VISION_PREFIXES):
+        return None
     for prefix, replacement in _HF_PREFIXES:
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
-    return None  # vision tower, projector
+    raise ValueError(f"unexpected tensor {name!r} in a Gemma 3 checkpoint")
 
 
 # ---- random weights (the tiny test model) ---------------------------------------------------------------
@@ -265,7 +272,10 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def build_model(
-    config: Gemma3Config, state_dict: StateDict, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    config: Gemma3Config,
+    state_dict: StateDict,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
 ) -> Gemma3ForCausalLM:
     """Allocate the model directly in `dtype` on `device` and copy `state_dict` in (every weight required).
 
@@ -278,7 +288,10 @@ def build_model(
 
 
 def load_model(
-    name_or_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", progress: bool = True
+    name_or_path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    progress: bool = True,
 ) -> tuple[Gemma3Config, Gemma3ForCausalLM]:
     """Resolve a model name (see `registry.resolve_model`) or path and build it, ready for inference."""
     from runtime.models.registry import resolve_model
