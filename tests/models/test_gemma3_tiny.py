@@ -70,7 +70,7 @@ def test_positions_are_taken_from_the_caller(tiny, prompt, run_dense):
 
 
 def test_the_sliding_window_changes_the_result(tiny, prompt, run_dense):
-    from conftest import DenseCausalBackend
+    from dense_backend import DenseCausalBackend
 
     config, state = tiny
     model = build_model(config, state, torch.float32)
@@ -82,7 +82,7 @@ def test_the_sliding_window_changes_the_result(tiny, prompt, run_dense):
 
 
 def test_each_layer_hands_the_backend_its_own_description(tiny, prompt, run_dense):
-    from conftest import DenseCausalBackend
+    from dense_backend import DenseCausalBackend
 
     config, state = tiny
     backend = DenseCausalBackend()
