@@ -26,6 +26,7 @@ class EngineConfig:
     max_running_requests: int = 16
     context_length: int | None = None  # None: the model's
     chunked_prefill_size: int = 1024
+    hicache_size: int = 0  # host-memory KV tier in tokens (0: retracted requests are recomputed)
     telemetry: bool = True
     seed: int = 0
     inject: tuple[str, ...] = field(default_factory=tuple)
@@ -45,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"--max-total-tokens must be at least one page ({self.page_size})")
         if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"--swa-full-tokens-ratio must be within (0, 1], got {self.swa_full_tokens_ratio}")
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0, got {self.hicache_size}")
         if self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("--chunked-prefill-size and --max-running-requests must be positive")
 

@@ -86,6 +86,20 @@ class HybridAllocator:
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         return self.alloc_extend([s - 1 for s in seq_lens], seq_lens, last_locs)
 
+    def alloc_window(self, n: int, swa_from: int) -> torch.Tensor | None:
+        """Full slots for positions 0..n-1 of one request but SWA slots only for positions swa_from..n-1
+        (swa_from page-aligned): what a host-cache load-back needs. All or nothing."""
+        ps = self.page_size
+        if swa_from % ps or not 0 <= swa_from <= n:
+            raise ValueError(f"swa_from {swa_from} must be page-aligned and within 0..{n}")
+        if -(-n // ps) > len(self.full._free_pages) or -(-(n - swa_from) // ps) > len(self.swa._free_pages):
+            return None
+        full_locs = self.full.alloc_extend([0], [n], [-1])
+        swa_locs = self.swa.alloc_extend([swa_from], [n], [-1])
+        assert full_locs is not None and swa_locs is not None
+        self._map(full_locs[swa_from:], swa_locs)
+        return full_locs
+
     def _map(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
         self.full_to_swa_index_mapping[full_locs] = swa_locs
         self._mutated("alloc")
