@@ -209,18 +209,25 @@ def _hf_param_name(name: str) -> str | None:
 # ---- random weights (the tiny test model) ---------------------------------------------------------------
 
 
-def random_state_dict(config: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32) -> StateDict:
+LIVELY_POST_NORM_GAIN = 11.0
+
+
+def random_state_dict(config: Gemma3Config, seed: int = 0, dtype: torch.dtype = torch.float32,
+                      lively: bool = True) -> StateDict:
     """Deterministic random weights for `config` (same seed, same weights on every machine).
 
     Scaled so that activations stay O(1) and the logits spread widely: a random model whose logits are
     all near zero would make argmax comparisons meaningless. Norm weights are non-zero so that `1 + w`
-    is exercised.
+    is exercised. The post-attention/post-MLP norm gains are large so that the layers, not the scaled
+    embedding, decide the next token: otherwise greedy decoding repeats the last token and a KV mix-up
+    between requests or positions would go unnoticed. `lively=False` keeps the gains small (wide logit
+    margins, for comparisons at low precision).
     """
     gen = torch.Generator().manual_seed(seed)
     state: StateDict = {}
     for name, shape in expected_shapes(config).items():
         if name.endswith("norm.weight"):
-            values = 0.2 * torch.randn(shape, generator=gen)
+            values = 0.2 * torch.randn(shape, generator=gen) + (LIVELY_POST_NORM_GAIN if lively and ".post_" in name else 0.0)
         elif name.endswith("embed_tokens.weight"):
             values = torch.randn(shape, generator=gen)
         else:  # (out, in) projections

@@ -49,7 +49,9 @@ def test_float32_logits_match_transformers_past_the_window(tiny, prompt, run_den
 
 
 def test_bfloat16_logits_match_transformers_within_bfloat16_error(tiny, prompt, run_dense):
-    config, state = tiny
+    config, _ = tiny
+    # Small post-norm gains: wide logit margins, so that argmax agreement measures bf16 error, not ties.
+    state = random_state_dict(config, seed=0, lively=False)
     ours = run_dense(build_model(config, state, torch.bfloat16), prompt)
     ref = _hf_logits(_hf_twin(config, state, torch.bfloat16), prompt)
     ref32 = _hf_logits(_hf_twin(config, state, torch.float32), prompt)
