@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
+    g.add_argument("--hicache-size", type=int, default=d.hicache_size,
+                   help="host-memory KV tier in tokens for requests retracted under pool pressure (0: recompute)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
                    help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
@@ -42,7 +44,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
         graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
-        context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size, seed=args.seed,
+        context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
+        hicache_size=args.hicache_size, seed=args.seed,
         inject=tuple(args.inject),
     )
 
@@ -84,9 +87,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, engine_config(args))
 
 
-def cmd_not_yet(args: argparse.Namespace) -> int:
-    print(f"error: `swa-runtime {args.command}` is not implemented yet", file=sys.stderr)
-    return 2
+def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime.server.launch import serve
+
+    return serve(args)
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from runtime.diagnose import render, run_diagnose
+    from telemetry.logging import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    report = run_diagnose(model=args.model, policies=tuple(args.policy) or POLICIES, inject=tuple(args.inject),
+                          guard=args.loc_cache_guard == "on", verify=args.loc_cache_verify, seed=args.seed,
+                          attention_backend=args.attention_backend, threads=args.threads)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
+    return report.exit_status
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -112,10 +128,37 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--gen-len", type=int, default=32)
     bench.add_argument("--batch-sizes", default="1,8")
     bench.add_argument("--skip-transformers", action="store_true")
+    bench.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")
+    bench.add_argument("--overhead-rounds", type=int, default=6,
+                       help="on/off run pairs of the telemetry-overhead measurement")
+    bench.add_argument("--json", metavar="PATH", default=None, help="also write the numbers to PATH as JSON")
     bench.set_defaults(func=cmd_bench)
 
-    for name in ("serve", "diagnose"):
-        sub.add_parser(name, help="(not implemented yet)").set_defaults(func=cmd_not_yet)
+    serve = sub.add_parser("serve", help="HTTP server: /generate, /v1/completions, /metrics, /health")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=30000)
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT, let running requests finish this long, then abort them")
+    serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    serve.set_defaults(func=cmd_serve)
+
+    diag = sub.add_parser("diagnose", help="run every forward mode and policy, report translation-cache events "
+                          "with their origin and a suggested fix (exit 1 on any bug-class event)")
+    diag.add_argument("--model", default="tiny", help="tiny (default), gemma3-270m, a .gguf file or a HF directory")
+    diag.add_argument("--policy", action="append", default=[], choices=POLICIES,
+                      help="translation policy to run (repeatable; default: all)")
+    diag.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
+                      help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
+    diag.add_argument("--loc-cache-guard", choices=("on", "off"), default="on")
+    diag.add_argument("--loc-cache-verify", type=float, default=0.0, metavar="RATE")
+    diag.add_argument("--attention-backend", choices=BACKENDS, default="torch")
+    diag.add_argument("--seed", type=int, default=0)
+    diag.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fast and reproducible)")
+    diag.add_argument("--json", action="store_true", help="print the report as JSON (rows, totals, exit status)")
+    diag.add_argument("--log-format", choices=("console", "json"), default="console")
+    diag.add_argument("--log-level", default="WARNING")
+    diag.set_defaults(func=cmd_diagnose)
     return parser
 
 

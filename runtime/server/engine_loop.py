@@ -1,0 +1,319 @@
+"""The engine thread: steps the scheduler beside the asyncio event loop.
+
+The scheduler is not thread-safe, so only this thread touches it. The event loop talks to it through an
+inbox (add, abort, call) and hears back through per-request asyncio queues that the scheduler's callbacks
+feed with `loop.call_soon_threadsafe`. The thread sleeps on an Event while there is nothing to do.
+
+Contracts:
+- `submit()` returns once the scheduler accepted the request; input it can never serve raises
+  `RequestError` (a 4xx), a draining or dead engine raises `EngineUnavailable` (a 503).
+- Every admitted request ends with exactly one final event: finish reason `length`, `stop`, `abort` or
+  `error`, and its slots are freed (the scheduler's abort frees them, and counts `aborted`).
+- An exception in `step()` is logged; the requests it may have touched (the running batch) fail with
+  reason `error`; the thread keeps serving.
+- Shutdown: stop admitting, let requests finish until a deadline, abort the rest, then the thread exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from runtime.core import Req, RequestError
+from runtime.layers.sampler import SamplingParams
+
+log = structlog.get_logger("swa_runtime.server")
+
+SHUTDOWN_MESSAGE = "the server shut down before the request finished"
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is draining for shutdown or its thread has stopped: answer 503."""
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """New tokens since the previous event; the last event of a request carries its finish reason."""
+
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = None  # length | stop | abort | error
+    message: str | None = None  # why, for abort (shutdown) and error
+
+
+@dataclass(frozen=True)
+class _Final:
+    reason: str
+    message: str | None
+
+
+class RequestStream:
+    """The tokens of one admitted request. Iterate once; `abort()` (or leaving the `async with` block
+    before the end) frees the request's slots on the engine thread."""
+
+    def __init__(self, engine_loop: "EngineLoop", req: Req, queue: asyncio.Queue):
+        self._engine_loop = engine_loop
+        self._req = req
+        self._queue = queue
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.message: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return self._req.rid
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._req.prompt_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    async def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        """Yields as soon as tokens arrive, coalescing whatever queued up while the consumer was busy."""
+        while not self.finished:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            tokens = tuple(t for t in items if isinstance(t, int))
+            self.output_ids.extend(tokens)
+            final = next((f for f in items if isinstance(f, _Final)), None)
+            if final is not None:
+                self.finish_reason, self.message = final.reason, final.message
+            yield StreamEvent(tokens, self.finish_reason, self.message)
+
+    async def collect(self) -> "RequestStream":
+        async for _ in self:
+            pass
+        return self
+
+    def abort(self) -> None:
+        if not self.finished:
+            self._engine_loop.abort(self.rid)
+
+    async def __aenter__(self) -> "RequestStream":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        self.abort()
+
+
+class EngineLoop:
+    def __init__(self, engine):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self._inbox: deque[tuple] = deque()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()  # orders posting against the thread's final close
+        self._closed = False
+        self._accepting = True
+        self._deadline: float | None = None  # monotonic; set by begin_shutdown
+        self._thread: threading.Thread | None = None
+        # engine thread only:
+        self._live: dict[str, Req] = {}  # admitted, not yet finished
+        self._notes: dict[str, _Final] = {}  # how a request we end ourselves should be reported
+        self._step_failures = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("EngineLoop.start() called twice")
+        self._thread = threading.Thread(target=self._run, name="swa-runtime-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.alive
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Stop admitting now; requests still running after `timeout_s` are aborted. Returns at once."""
+        with self._lock:
+            self._accepting = False
+            deadline = time.monotonic() + max(0.0, timeout_s)
+            self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+        self._wake.set()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain (see `begin_shutdown`) and wait for the thread to exit (it is a daemon: a step that never
+        returns cannot keep the process alive)."""
+        self.begin_shutdown(timeout_s)
+        if self._thread is not None:
+            self._thread.join(timeout_s + 30.0)
+            if self._thread.is_alive():
+                log.error("engine_thread_did_not_stop", waited_s=timeout_s + 30.0)
+
+    # ---- event-loop side ---------------------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+        if not self.alive:
+            raise EngineUnavailable("the engine thread is not running")
+        if not self._accepting:
+            raise EngineUnavailable("the server is shutting down and accepts no new requests")
+        aloop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+
+        def push(item: int | _Final) -> None:
+            try:
+                aloop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the event loop is closed: nobody listens any more
+                pass
+
+        req = Req(list(prompt_ids), params, on_token=lambda r, t: push(t),
+                  on_finish=lambda r: push(self._final_of(r)))
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("add", req, admitted))
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            self.abort(req.rid)  # the client left while we waited; the add may still land
+            raise
+        return RequestStream(self, req, queue)
+
+    def abort(self, rid: str) -> None:
+        try:
+            self._post(("abort", rid))
+        except EngineUnavailable:
+            pass  # the thread has ended, and it aborted everything on its way out
+
+    def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        """Run `fn` on the engine thread between steps (e.g. `scheduler.assert_idle_clean`)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("call", fn, fut))
+        return fut
+
+    def _post(self, item: tuple) -> None:
+        with self._lock:
+            if self._closed or self._thread is None:
+                raise EngineUnavailable("the engine thread is not running")
+            self._inbox.append(item)
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                self._wake.clear()
+                self._drain_inbox()
+                if self._deadline is not None:
+                    if not self.scheduler.has_work():
+                        break
+                    if time.monotonic() >= self._deadline:
+                        self._end_all(_Final("abort", SHUTDOWN_MESSAGE))
+                        break
+                if self.scheduler.has_work():
+                    if not self._step():
+                        self._wake.wait(0.01)  # nothing could run this time; do not spin
+                else:
+                    self._wake.wait()
+        except BaseException:
+            log.exception("engine_thread_crashed")
+            raise
+        finally:
+            self._close()
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            item = self._inbox.popleft()
+            kind = item[0]
+            if kind == "add":
+                self._add(item[1], item[2])
+            elif kind == "abort":
+                self._abort(item[1])
+            else:
+                _, fn, fut = item
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def _add(self, req: Req, admitted: concurrent.futures.Future) -> None:
+        try:
+            self.scheduler.add(req)
+        except RequestError as exc:
+            admitted.set_exception(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - a bug in validation must not kill the thread
+            log.exception("engine_add_failed", rid=req.rid)
+            admitted.set_exception(exc)
+            return
+        self._live[req.rid] = req
+        admitted.set_result(None)
+
+    def _abort(self, rid: str) -> None:
+        try:
+            self.scheduler.abort(rid)
+        except Exception:  # noqa: BLE001
+            log.exception("engine_abort_failed", rid=rid)
+
+    def _step(self) -> bool:
+        try:
+            progressed = self.scheduler.step()
+        except Exception as exc:  # noqa: BLE001 - log, fail what it touched, keep serving
+            self._step_failures += 1
+            log.exception("engine_step_failed", running=self.scheduler.num_running(),
+                          waiting=self.scheduler.num_waiting(), consecutive=self._step_failures)
+            final = _Final("error", f"internal error in the engine step: {type(exc).__name__}: {exc}")
+            running = [r for r in self._live.values() if r.status == "running"]
+            # A second failure in a row with nothing running means admission itself fails: end everything.
+            if running and self._step_failures == 1:
+                self._end(running, final)
+            else:
+                self._end_all(final)
+            return True
+        self._step_failures = 0
+        return progressed
+
+    def _end_all(self, final: _Final) -> None:
+        self._end(list(self._live.values()), final)
+
+    def _end(self, reqs: list[Req], final: _Final) -> None:
+        for r in reqs:
+            self._notes[r.rid] = final
+            try:
+                self.scheduler.abort(r.rid)  # frees the slots and calls on_finish, which reads the note
+            except Exception:  # noqa: BLE001 - the scheduler is in a bad state; still answer the client
+                log.exception("engine_abort_failed", rid=r.rid)
+            if r.rid in self._live:  # the scheduler did not call on_finish: do it ourselves
+                r.status, r.finish_reason = "aborted", final.reason
+                if r.on_finish is not None:
+                    r.on_finish(r)
+            self._notes.pop(r.rid, None)
+
+    def _final_of(self, r: Req) -> _Final:
+        """Called from on_finish on the engine thread: forget the request and say how it ended."""
+        self._live.pop(r.rid, None)
+        note = self._notes.pop(r.rid, None)
+        return note if note is not None else _Final(r.finish_reason or "abort", r.error)
+
+    def _close(self) -> None:
+        """Refuse further posts; answer what is still in the inbox; end what is still live."""
+        with self._lock:
+            self._closed = True
+            self._accepting = False
+            left = list(self._inbox)
+            self._inbox.clear()
+        for item in left:
+            if item[0] in ("add", "call"):
+                item[-1].set_exception(EngineUnavailable("the engine thread stopped"))
+        if self._live:
+            try:
+                self._end_all(_Final("abort", SHUTDOWN_MESSAGE))
+            except Exception:  # noqa: BLE001
+                log.exception("engine_close_failed")

@@ -1,0 +1,58 @@
+"""`swa-runtime serve`: load the engine, serve it with uvicorn, drain on SIGTERM/SIGINT.
+
+On the first SIGTERM or SIGINT the engine stops admitting (new requests get 503), running requests may
+finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`), uvicorn closes its
+connections, and the process exits with status 0. A second SIGINT forces uvicorn to quit at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+import uvicorn
+
+from runtime.server.engine_loop import EngineLoop
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, but its exit signal first tells the engine to stop admitting and start draining."""
+
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout_s: float):
+        super().__init__(config)
+        self.engine_loop = engine_loop
+        self.shutdown_timeout_s = shutdown_timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        self.engine_loop.begin_shutdown(self.shutdown_timeout_s)
+        super().handle_exit(sig, frame)
+
+
+def _exit_cleanly(signum, frame) -> None:
+    # uvicorn re-raises the signal that stopped it once it has shut down; by then the drain is complete.
+    raise SystemExit(0)
+
+
+def serve(args: argparse.Namespace) -> int:
+    from runtime.cli import engine_config
+    from runtime.engine import Engine
+    from runtime.models.registry import resolve_model
+    from runtime.server.app import create_app
+    from telemetry.logging import configure_logging
+
+    configure_logging(args.log_format, args.log_level)
+    cfg = engine_config(args)
+    model_name = resolve_model(cfg.model).name
+    engine = Engine(cfg, progress=True)
+    engine_loop = EngineLoop(engine)
+    app = create_app(engine_loop, model_name=model_name, shutdown_timeout_s=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
+                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout + 5)
+    server = _DrainingServer(config, engine_loop, args.shutdown_timeout)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _exit_cleanly)
+    print(f"swa-runtime: {model_name} loaded; starting the server on http://{args.host}:{args.port} "
+          "(POST /generate, /v1/completions; GET /v1/models, /metrics, /health)", file=sys.stderr, flush=True)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,104 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a thread, serving a tiny engine; helpers to read it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from runtime.config import EngineConfig
+from runtime.engine import Engine
+from runtime.models.config import Gemma3Config
+from runtime.models.loader import build_model, random_state_dict
+from runtime.models.tokenizer import ByteTokenizer
+from runtime.server.app import create_app
+from runtime.server.engine_loop import EngineLoop
+
+WINDOW = 8  # Gemma3Config.tiny(): S S F S S F, window 8
+CONTEXT = 1024
+
+
+def lively_tiny_model():
+    """The tiny config with its default random weights, whose greedy output depends on the context (see
+    `random_state_dict`): a KV mix-up between requests would change the outputs."""
+    config = Gemma3Config.tiny()
+    return build_model(config, random_state_dict(config, seed=0), torch.float32)
+
+
+def make_engine(**overrides) -> Engine:
+    cfg = dict(model="tiny", max_total_tokens=4096, swa_full_tokens_ratio=0.25, max_running_requests=8,
+               chunked_prefill_size=16, graph_batch_sizes=(1, 2, 4, 8))
+    cfg.update(overrides)
+    return Engine(EngineConfig(**cfg), progress=False, model=lively_tiny_model(), tokenizer=ByteTokenizer())
+
+
+@dataclass
+class LiveServer:
+    url: str
+    engine: Engine
+    engine_loop: EngineLoop
+    server: uvicorn.Server
+    thread: threading.Thread
+
+    def wait_idle_clean(self, timeout_s: float = 10.0) -> None:
+        """Wait until the scheduler has nothing queued or running (aborts travel asynchronously), then check
+        on the engine thread that both pools are fully free, the mapping empty and no request row held."""
+        sched = self.engine.scheduler
+        deadline = time.monotonic() + timeout_s
+        while self.engine_loop.call(sched.has_work).result(timeout_s):
+            assert time.monotonic() < deadline, "requests still queued or running"
+            time.sleep(0.02)
+        self.engine_loop.call(sched.assert_idle_clean).result(timeout_s)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+def start_server(engine: Engine, shutdown_timeout_s: float = 5.0) -> LiveServer:
+    engine_loop = EngineLoop(engine)
+    app = create_app(engine_loop, model_name="tiny", shutdown_timeout_s=shutdown_timeout_s)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    host, port = server.servers[0].sockets[0].getsockname()[:2]
+    return LiveServer(f"http://{host}:{port}", engine, engine_loop, server, thread)
+
+
+@pytest.fixture(scope="module")
+def live():
+    srv = start_server(make_engine())
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(live):
+    with httpx.Client(base_url=live.url, timeout=60) as c:
+        yield c
+
+
+def sse_events(lines) -> list[dict | str]:
+    """Parse an event stream strictly: every event is one `data: ...` line followed by a blank line."""
+    events, pending = [], None
+    for line in lines:
+        if pending is None:
+            assert line.startswith("data: "), f"not an SSE data line: {line!r}"
+            pending = line[len("data: "):]
+        else:
+            assert line == "", f"an SSE event must end with a blank line, got {line!r}"
+            events.append(pending if pending == "[DONE]" else json.loads(pending))
+            pending = None
+    assert pending is None, "stream ended inside an event"
+    return events

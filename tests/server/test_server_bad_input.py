@@ -1,0 +1,105 @@
+"""Every kind of bad input gets a 4xx whose message says what is wrong, in one error shape; afterwards the
+server is healthy, no KV slot is held, and only requests that reached admission count as `rejected`."""
+
+import json
+
+import pytest
+
+from conftest import CONTEXT
+
+G, C = "/generate", "/v1/completions"
+TOO_LONG = [5] * (CONTEXT + 76)
+
+# (method, path, body: dict to send as JSON or raw bytes, status, message substring, counted as rejected)
+CASES = {
+    # empty prompt
+    "empty text": ("POST", G, {"text": ""}, 400, "empty prompt: give a non-empty `text`", False),
+    "empty input_ids": ("POST", G, {"input_ids": []}, 400, "empty prompt: give at least one token", True),
+    "empty completion prompt": ("POST", C, {"prompt": ""}, 400, "empty prompt", False),
+    # longer than the context
+    "input_ids over context": ("POST", G, {"input_ids": TOO_LONG}, 400,
+                               f"prompt ({len(TOO_LONG)} tokens) + max_new_tokens (128) exceeds the context length "
+                               f"of {CONTEXT} tokens", True),
+    "text over context": ("POST", C, {"prompt": "a" * 2000, "max_tokens": 1}, 400,
+                          f"prompt (2001 tokens) + max_new_tokens (1) exceeds the context length of {CONTEXT}", True),
+    "prompt + max tokens over context": ("POST", C, {"prompt": [7] * 200, "max_tokens": 900}, 400,
+                                         "prompt (200 tokens) + max_new_tokens (900) exceeds the context length", True),
+    # negative / absurd max tokens
+    "negative max_new_tokens": ("POST", G, {"text": "hi", "sampling_params": {"max_new_tokens": -1}}, 422,
+                                "sampling_params.max_new_tokens: Input should be greater than or equal to 1 (got -1)",
+                                False),
+    "zero max_tokens": ("POST", C, {"prompt": "hi", "max_tokens": 0}, 422,
+                        "max_tokens: Input should be greater than or equal to 1 (got 0)", False),
+    "absurd max_new_tokens": ("POST", G, {"text": "hi", "sampling_params": {"max_new_tokens": 10**12}}, 422,
+                              "sampling_params.max_new_tokens: Input should be less than or equal to 131072", False),
+    # wrong types / values
+    "string max_new_tokens": ("POST", G, {"text": "hi", "sampling_params": {"max_new_tokens": "16"}}, 422,
+                              'sampling_params.max_new_tokens: Input should be a valid integer (got "16")', False),
+    "float max_tokens": ("POST", C, {"prompt": "hi", "max_tokens": 16.5}, 422,
+                         "max_tokens: Input should be a valid integer (got 16.5)", False),
+    "temperature out of range": ("POST", C, {"prompt": "hi", "temperature": 3}, 422,
+                                 "temperature: Input should be less than or equal to 2 (got 3)", False),
+    "temperature not a number": ("POST", G, {"text": "hi", "sampling_params": {"temperature": "hot"}}, 422,
+                                 'sampling_params.temperature: Input should be a valid number (got "hot")', False),
+    "top_p zero": ("POST", C, {"prompt": "hi", "top_p": 0}, 422, "top_p: Input should be greater than 0", False),
+    "text not a string": ("POST", G, {"text": 123}, 422, "text: Input should be a valid string (got 123)", False),
+    "input_ids not ints": ("POST", G, {"input_ids": [2, "a"]}, 422,
+                           'input_ids.1: Input should be a valid integer (got "a")', False),
+    "token id out of vocab": ("POST", G, {"input_ids": [2, 999]}, 400, "token ids must be integers within [0, 260)",
+                              True),
+    "stream not a bool": ("POST", G, {"text": "hi", "stream": "yes"}, 422,
+                          'stream: Input should be a valid boolean (got "yes")', False),
+    "both prompts": ("POST", G, {"text": "hi", "input_ids": [2]}, 422, "give exactly one of `text` or `input_ids`",
+                     False),
+    "no prompt": ("POST", G, {}, 422, "give exactly one of `text` or `input_ids`", False),
+    "missing completion prompt": ("POST", C, {"model": "tiny"}, 422, "prompt: Field required", False),
+    "batched prompts": ("POST", C, {"prompt": ["a", "b"]}, 422,
+                        "prompt: must be a string or a list of token ids (batched prompts are not supported)", False),
+    "n > 1": ("POST", C, {"prompt": "hi", "n": 2}, 422, "n: Input should be less than or equal to 1", False),
+    "unknown field": ("POST", G, {"text": "hi", "max_tokens": 5}, 422, "max_tokens: Extra inputs are not permitted",
+                      False),
+    "body not an object": ("POST", G, [1, 2], 422, "body: expected a JSON object", False),
+    # malformed JSON
+    "truncated JSON": ("POST", G, b'{"text": "hi",', 400,
+                       "malformed JSON body: Expecting property name enclosed in double quotes at line 1 column 15",
+                       False),
+    "empty body": ("POST", C, b"", 400, "malformed JSON body: Expecting value at line 1 column 1", False),
+    "not UTF-8": ("POST", G, b'{"text": "\xff"}', 400, "malformed JSON body: not valid UTF-8", False),
+    # unknown model / route
+    "unknown model": ("POST", C, {"model": "gpt-4", "prompt": "hi"}, 404,
+                      "model 'gpt-4' not found; this server serves 'tiny'", False),
+    "unknown route": ("GET", "/v2/nothing", None, 404, "no route /v2/nothing", False),
+    "wrong method": ("GET", G, None, 405, "method GET not allowed on /generate", False),
+}
+ERROR_TYPES = {400: "invalid_request_error", 422: "invalid_request_error", 404: "not_found_error",
+               405: "invalid_request_error"}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_bad_input_gets_4xx_with_message(case, live, client):
+    method, path, body, status, message, counted = CASES[case]
+    rejected_before = live.engine.stats.request_counts["rejected"]
+    if isinstance(body, bytes):
+        r = client.request(method, path, content=body)  # like `curl -d`: no JSON content type
+    elif body is None:
+        r = client.request(method, path)
+    else:
+        r = client.request(method, path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert message in error["message"]
+    assert error["type"] == ERROR_TYPES[status] and error["code"] == status
+    assert live.engine.stats.request_counts["rejected"] - rejected_before == int(counted)
+    health = client.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    live.wait_idle_clean()
+
+
+def test_a_good_request_still_works_after_the_bad_ones(client, live):
+    raw = b'{"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}}'
+    r = client.post("/generate", content=raw)  # like `curl -d`: JSON without a JSON content type
+    assert r.status_code == 200 and r.json()["meta"] == {
+        "id": r.json()["meta"]["id"], "prompt_tokens": 3, "completion_tokens": 3, "finish_reason": "length"}
+    live.wait_idle_clean()

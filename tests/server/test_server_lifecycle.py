@@ -1,0 +1,166 @@
+"""The engine thread's life: idle without spinning, surviving a failing step, draining on shutdown, and the
+real `swa-runtime serve` process stopping cleanly on SIGTERM."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from conftest import make_engine, sse_events, start_server
+
+
+@pytest.fixture
+def server():
+    srv = start_server(make_engine(graphs=False))
+    yield srv
+    srv.stop()
+
+
+def _cpu_ticks(thread: threading.Thread) -> int:
+    fields = open(f"/proc/self/task/{thread.native_id}/stat").read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, in clock ticks
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_idle_engine_thread_sleeps(server):
+    thread = server.engine_loop._thread
+    before = _cpu_ticks(thread)
+    time.sleep(1.0)
+    assert _cpu_ticks(thread) - before <= 2  # a spinning thread would burn ~100 ticks a second
+
+
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server):
+    sched = server.engine.scheduler
+    real_step, calls = sched.step, []
+
+    def flaky_step():
+        calls.append(1)
+        if len(calls) == 3:  # mid-generation of the running requests
+            raise RuntimeError("boom")
+        return real_step()
+
+    sched.step = flaky_step
+    aborted = server.engine.stats.request_counts["aborted"]
+    body = {"input_ids": [2, 40, 41], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+        assert events[-1] == "[DONE]"
+        assert events[-2] == {"error": {"message": "internal error in the engine step: RuntimeError: boom",
+                                        "type": "internal_error", "code": 500}}
+        assert server.engine.stats.request_counts["aborted"] - aborted == 1
+        server.wait_idle_clean()
+
+        calls.clear()
+        r = client.post("/generate", json=body)
+        assert r.status_code == 500 and r.json()["error"]["message"] == (
+            "internal error in the engine step: RuntimeError: boom")
+        server.wait_idle_clean()
+
+        assert client.get("/health").status_code == 200
+        r = client.post("/generate", json=body)
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 20
+    server.wait_idle_clean()
+
+
+def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
+    stats = server.engine.stats
+    aborted, generated = stats.request_counts["aborted"], stats.generation_tokens
+    body = {"input_ids": [2, 70, 71], "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}
+    with httpx.Client(base_url=server.url, timeout=0.3) as client, pytest.raises(httpx.ReadTimeout):
+        client.post("/generate", json=body)
+    server.wait_idle_clean()
+    assert stats.request_counts["aborted"] - aborted == 1
+    assert stats.generation_tokens - generated < 1000
+
+
+def test_shutdown_finishes_short_requests_aborts_long_ones_and_refuses_new(server):
+    forward = server.engine.runner.forward
+
+    def slow_forward(batch):  # 400 tokens take > 2 s; 10 tokens well under the drain timeout
+        time.sleep(0.005)
+        return forward(batch)
+
+    server.engine.runner.forward = slow_forward
+    results = {}
+
+    def run(name, n):
+        with httpx.Client(base_url=server.url, timeout=60) as c:
+            body = {"input_ids": [2, 50, 60], "stream": True, "sampling_params": {"max_new_tokens": n,
+                                                                                  "ignore_eos": True}}
+            with c.stream("POST", "/generate", json=body) as r:
+                results[name] = sse_events(r.iter_lines())
+
+    threads = [threading.Thread(target=run, args=("long", 400)), threading.Thread(target=run, args=("short", 10))]
+    for t in threads:
+        t.start()
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        while client.get("/health").json()["running"] < 2:
+            time.sleep(0.01)
+        finished, aborted = (server.engine.stats.request_counts[s] for s in ("finished", "aborted"))
+        server.engine_loop.begin_shutdown(timeout_s=1.0)
+
+        r = client.post("/generate", json={"text": "late"})
+        assert r.status_code == 503 and r.headers["retry-after"] == "5"
+        assert r.json()["error"] == {"message": "the server is shutting down and accepts no new requests",
+                                     "type": "service_unavailable", "code": 503}
+        for t in threads:
+            t.join(30)
+        server.engine_loop._thread.join(30)
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the engine thread is not running"
+        r = client.post("/generate", json={"text": "later"})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "the engine thread is not running"
+
+    short, long = results["short"][:-1], results["long"][:-1]
+    assert results["short"][-1] == results["long"][-1] == "[DONE]"
+    assert short[-1]["meta"]["finish_reason"] == "length" and short[-1]["meta"]["completion_tokens"] == 10
+    assert long[-1]["meta"]["finish_reason"] == "abort" and long[-1]["meta"]["completion_tokens"] < 400
+    stats = server.engine.stats.request_counts
+    assert (stats["finished"] - finished, stats["aborted"] - aborted) == (1, 1)
+    server.engine.scheduler.assert_idle_clean()  # the engine thread has ended: safe to look directly
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_process_drains_and_exits_cleanly_on_sigterm():
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", "tiny", "--port", str(port),
+                             "--disable-graphs", "--shutdown-timeout", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"{url}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        with httpx.Client(base_url=url, timeout=60) as client:
+            body = {"input_ids": [2, 9, 9], "stream": True, "sampling_params": {"max_new_tokens": 1000,
+                                                                                "ignore_eos": True}}
+            with client.stream("POST", "/generate", json=body) as r:
+                lines = r.iter_lines()
+                first = next(lines)
+                proc.send_signal(signal.SIGTERM)
+                events = sse_events([first, *lines])
+        assert events[-1] == "[DONE]" and events[-2]["meta"]["finish_reason"] == "abort"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    out = proc.stdout.read()
+    assert f"starting the server on http://127.0.0.1:{port}" in out and "Finished server process" in out
