@@ -269,7 +269,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     runner = engine.runner
     outputs: dict[str, PhaseOutput] = {}
     # NOTE: reads the runner's forward counter (no public getter) only to label phases in the report
-    starts = {"graph_capture": 1, "scheduler": runner._forward_id + 1}
+    starts = {"graph_capture": 1, "scheduler": runner.last_forward_id + 1}
 
     logits: list[torch.Tensor] = []
     params = SamplingParams(max_new_tokens=work.new_tokens, ignore_eos=True)  # greedy
@@ -279,7 +279,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     engine.scheduler.assert_idle_clean()
     drive = _Driver(engine, work.seed)
 
-    starts["reserved_decode"] = runner._forward_id + 1
+    starts["reserved_decode"] = runner.last_forward_id + 1
     seqs = a, b, c = drive.admit(work.prompts(work.direct_prompt_lens, 2))
     drive.reserve(seqs, [6, 5, 2])
     for batch in ([a, b], [a, b], [a, b], [a, b, c], [a, b, c], [a]):  # replay x3, eager x2, replay
@@ -288,7 +288,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     drive.finish(seqs)
     outputs["reserved_decode"] = _phase_output(seqs)
 
-    starts["draft_steps"] = runner._forward_id + 1
+    starts["draft_steps"] = runner.last_forward_id + 1
     seqs = drive.admit(work.prompts(work.direct_prompt_lens[:2], 3))
     drive.reserve(seqs, [DRAFT_STEPS] * len(seqs))
     drive.draft_steps(seqs, DRAFT_STEPS)
@@ -296,7 +296,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     drive.finish(seqs)
     outputs["draft_steps"] = _phase_output(seqs)
 
-    starts["midforward_remap"] = runner._forward_id + 1
+    starts["midforward_remap"] = runner.last_forward_id + 1
     seqs = drive.admit(work.prompts(work.direct_prompt_lens[:2], 4))
     for step in range(4):  # graph replay; steps 1 and 2 get a remap after their first sliding layer
         if step in (1, 2):

@@ -128,18 +128,29 @@ class KeyChangeEvent:
         return asdict(self)
 
 
+_LIBRARY_MARKERS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py")
+
+
+def _is_library_frame(path: str) -> bool:
+    return any(marker in path for marker in _LIBRARY_MARKERS)
+
+
 def caller_stack(skip: int = 0, limit: int = 6) -> str:
     """Summarise the caller's frames as `dir/file.py:line function`, innermost last.
 
     `skip=0` starts at the function that calls `caller_stack`; each extra `skip` drops one more inner frame
     (e.g. the cache's own helpers). Walks frame objects without reading source files, so it is cheap, but it
-    is still only for when an event is emitted, never for hits.
+    is still only for when an event is emitted, never for hits. Library frames (torch's module call
+    machinery, contextlib) are passed over so that the summary reaches the engine code that called in.
     """
     frame = sys._getframe(skip + 1)
     parts = []
     while frame is not None and len(parts) < limit:
         code = frame.f_code
         path = code.co_filename
+        if _is_library_frame(path):
+            frame = frame.f_back
+            continue
         short = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
         parts.append(f"{short}:{frame.f_lineno} {code.co_name}")
         frame = frame.f_back

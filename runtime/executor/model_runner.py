@@ -73,6 +73,11 @@ class ModelRunner:
             options.update(self.faults.translator_options())
         return options
 
+    @property
+    def last_forward_id(self) -> int:
+        """Id of the latest forward started (0 before the first)."""
+        return self._forward_id
+
     def next_forward_id(self) -> int:
         self._forward_id += 1
         return self._forward_id

@@ -202,8 +202,9 @@ class _CachingTranslator(Translator):
                 if not torch.equal(fresh, entry.value):
                     self._report("stale_loc", site, entry, entry.key, "verification mismatch (write the version guard cannot see)")
                     self.stats.miss(mode, "stale_guard")
-                    entry.value = fresh
-                    entry.guard = self._guard(loc)
+                    # The repair is a fresh fill: the entry now belongs to this forward.
+                    ctx = context.get_forward_context()
+                    self._entry = _Entry(entry.key, entry.view, self._guard(loc), fresh, ctx.forward_id, ctx.mode, site)
                     return fresh
         return self._count_hit(entry, mode)
 

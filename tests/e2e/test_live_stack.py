@@ -103,14 +103,14 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def drive(url: str, seconds: float) -> int:
+def drive(url: str, seconds: float, max_requests: int = 200) -> int:
     """Mixed-length greedy requests from 3 client threads for `seconds` (bounded); returns requests sent."""
     sent = [0]
     deadline = time.monotonic() + seconds
 
     def client(seed: int) -> None:
         i = seed
-        while time.monotonic() < deadline and sent[0] < 200:
+        while time.monotonic() < deadline and sent[0] < max_requests:
             body = json.dumps({"input_ids": [2] + [4 + (i * 7 + j) % 250 for j in range(5 + (i * 11) % 40)],
                                "sampling_params": {"max_new_tokens": 12, "ignore_eos": True}}).encode()
             req = urllib.request.Request(f"{url}/generate", body, {"Content-Type": "application/json"})

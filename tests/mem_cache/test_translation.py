@@ -268,3 +268,30 @@ def test_minus_one_translates_to_minus_one(make_pool):
     pool = make_pool()
     out = pool.translate_loc_from_full_to_swa(torch.tensor([-1, -1]), "kv_write")
     assert out.tolist() == [-1, -1]
+
+
+def test_a_verification_repair_refills_the_entry_for_this_forward(make_pool):
+    pool = make_pool(verify_rate=1.0)
+    locs = pool.allocator.alloc(8)
+    static = locs[:4].clone()
+    with fwd(1):
+        pool.translate_loc_from_full_to_swa(static, "kv_write", 0)
+    static.numpy()[:] = locs[4:].numpy()  # invisible to the version counter
+    with fwd(2):  # and the forward-entry invalidation is missing
+        outs = [pool.translate_loc_from_full_to_swa(static, "kv_write", layer) for layer in range(SLIDING)]
+    assert all(torch.equal(o, fresh(pool, locs[4:])) for o in outs)
+    # the first lookup crosses forwards and its verification repairs it; the repaired entry belongs to
+    # forward 2, so the other layers are ordinary hits, not more cross-forward ones
+    assert events(pool) == {("kv_write", "cross_forward"): 1, ("kv_write", "stale_loc"): 1}
+    assert pool.stats.translation.hit_counts["eager_extend"] == SLIDING - 1
+
+
+def test_an_event_names_the_engine_code_that_asked_not_library_frames(make_pool):
+    pool = make_pool()
+    static = pool.allocator.alloc(4).clone()
+    with fwd(1):
+        pool.translate_loc_from_full_to_swa(static, "kv_write")
+        static.add_(0)  # an in-place op: version bumps, contents equal
+        pool.translate_loc_from_full_to_swa(static, "kv_write")
+    (event,) = pool.reporter.first_events()
+    assert "test_an_event_names_the_engine_code" in event.stack and "contextlib" not in event.stack
