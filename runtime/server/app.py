@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
@@ -195,30 +196,29 @@ class TextDeltas:
         return delta
 
 
-async def _generate_events(stream: RequestStream, tokenizer) -> AsyncIterator[bytes]:
+async def _sse_events(stream: RequestStream, tokenizer, body: Callable[[str, Any], dict]) -> AsyncIterator[bytes]:
+    """SSE chunks of one request's stream; `body(text_delta, event)` shapes a chunk for its endpoint."""
     text = TextDeltas(tokenizer)
     async with stream:
         async for ev in stream:
             if ev.finish_reason == "error":
                 yield protocol.sse(protocol.error_body(500, ev.message or "engine error", "internal_error"))
                 break
-            delta = text.push(ev.token_ids, final=ev.finish_reason is not None)
-            yield protocol.sse(protocol.generate_body(stream.rid, delta, list(ev.token_ids), stream.prompt_tokens,
-                                                      len(stream.output_ids), ev.finish_reason))
+            yield protocol.sse(body(text.push(ev.token_ids, final=ev.finish_reason is not None), ev))
     yield protocol.SSE_DONE
 
 
-async def _completion_events(stream: RequestStream, tokenizer, model: str, created: int) -> AsyncIterator[bytes]:
-    text = TextDeltas(tokenizer)
-    async with stream:
-        async for ev in stream:
-            if ev.finish_reason == "error":
-                yield protocol.sse(protocol.error_body(500, ev.message or "engine error", "internal_error"))
-                break
-            delta = text.push(ev.token_ids, final=ev.finish_reason is not None)
-            usage = (stream.prompt_tokens, len(stream.output_ids)) if ev.finish_reason is not None else None
-            yield protocol.sse(protocol.completion_body(stream.rid, created, model, delta, ev.finish_reason, usage))
-    yield protocol.SSE_DONE
+def _generate_events(stream: RequestStream, tokenizer) -> AsyncIterator[bytes]:
+    return _sse_events(stream, tokenizer, lambda delta, ev: protocol.generate_body(
+        stream.rid, delta, list(ev.token_ids), stream.prompt_tokens, len(stream.output_ids), ev.finish_reason))
+
+
+def _completion_events(stream: RequestStream, tokenizer, model: str, created: int) -> AsyncIterator[bytes]:
+    def body(delta: str, ev) -> dict:
+        usage = (stream.prompt_tokens, len(stream.output_ids)) if ev.finish_reason is not None else None
+        return protocol.completion_body(stream.rid, created, model, delta, ev.finish_reason, usage)
+
+    return _sse_events(stream, tokenizer, body)
 
 
 async def _until_disconnect(work: Awaitable, request: Request):

@@ -7,12 +7,9 @@ histogram quantiles have real values. The runtime itself is not needed.
 
 from __future__ import annotations
 
-import json
 import shutil
-import socket
 import subprocess
 import threading
-import time
 import urllib.parse
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,6 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from live_helpers import free_port, prom_query, wait_for  # noqa: F401  (tests/ is on sys.path)
 from telemetry import names as n
 
 REPO = Path(__file__).resolve().parents[2]
@@ -38,12 +36,6 @@ def promtool_path() -> str:
     if path is None:
         pytest.skip("promtool not on PATH (Debian package `prometheus`)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class FakeRuntime:
@@ -162,24 +154,6 @@ def fake_runtime() -> Iterator[tuple[FakeRuntime, int]]:
     yield runtime, server.server_address[1]
     server.shutdown()
     server.server_close()
-
-
-def prom_query(url: str, expr: str) -> list[dict]:
-    query = urllib.parse.urlencode({"query": expr})
-    with urllib.request.urlopen(f"{url}/api/v1/query?{query}", timeout=5) as response:
-        return json.load(response)["data"]["result"]
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture(scope="session")

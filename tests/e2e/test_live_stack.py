@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import pytest
 import yaml
 
 from dashboards.generate import OUTPUT as DASHBOARD_JSON
+from live_helpers import free_port, wait_for
+from live_helpers import prom_query as query
 from dashboards.snapshot import Prometheus, fetch
 
 pytestmark = [pytest.mark.promtool, pytest.mark.slow]
@@ -36,27 +37,9 @@ ALERT_EXPRS = {
 BUG_ALERTS = ("SWARuntimeMissingInvalidation", "SWARuntimeStaleLoc")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def get(url: str, timeout: float = 5.0) -> bytes:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return r.read()
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except OSError:
-            pass
-        time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def start_runtime(tmp: Path, *inject: str) -> tuple[subprocess.Popen, str]:
@@ -124,11 +107,6 @@ def drive(url: str, seconds: float, max_requests: int = 200) -> int:
     for t in threads:
         t.join()
     return sent[0]
-
-
-def query(prom: str, expr: str) -> list:
-    q = urllib.parse.urlencode({"query": expr})
-    return json.loads(get(f"{prom}/api/v1/query?{q}"))["data"]["result"]
 
 
 @contextmanager
