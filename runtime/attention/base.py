@@ -21,6 +21,7 @@ from runtime.executor.forward_batch import ForwardBatch
 @dataclass
 class AttentionMetadata:
     qo_indptr: torch.Tensor  # (B+1,) int32 offsets of each request's new tokens in T
+    qo_list: list[int]  # the same on the host
     q_positions: torch.Tensor  # (T,) int32
     full: KVIndexList  # keys of full-attention layers (full-pool slots)
     swa: KVIndexList | None  # keys of sliding layers (SWA-pool slots), None when the model has none
@@ -49,11 +50,13 @@ class AttentionBackend(ABC):
         if self.pool.translator.policy == "per_forward":
             swa_out_loc = self.pool.translate_loc_from_full_to_swa(batch.out_cache_loc, "attn_metadata")
         extend = batch.extend_lens
-        qo = torch.zeros(len(extend) + 1, dtype=torch.int32)
-        qo[1:] = torch.tensor(extend, dtype=torch.int32).cumsum(0)
+        qo = [0]
+        for n in extend:
+            qo.append(qo[-1] + n)
         device = batch.input_ids.device
         self.meta = AttentionMetadata(
-            qo_indptr=qo.to(device),
+            qo_indptr=torch.tensor(qo, dtype=torch.int32, device=device),
+            qo_list=qo,
             q_positions=batch.positions.to(torch.int32),
             full=to_index_list(full_slots, starts, lens),
             swa=swa,

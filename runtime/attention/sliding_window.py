@@ -21,6 +21,8 @@ class KVIndexList:
     indptr: torch.Tensor  # (B+1,) int32
     indices: torch.Tensor  # (N,) int32 pool slots
     start: torch.Tensor  # (B,) int32 position of each request's first listed key
+    indptr_list: list[int]  # the same on the host, for backends that loop per request
+    start_list: list[int]
 
 
 def build_kv_index_list(req_to_token: torch.Tensor, req_rows: list[int], prefix_lens: list[int],
@@ -35,9 +37,12 @@ def build_kv_index_list(req_to_token: torch.Tensor, req_rows: list[int], prefix_
 
 def to_index_list(slots: torch.Tensor, starts: list[int], lens: list[int]) -> KVIndexList:
     device = slots.device
-    indptr = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    indptr[1:] = torch.tensor(lens, dtype=torch.int32).cumsum(0)
-    return KVIndexList(indptr.to(device), slots.to(torch.int32), torch.tensor(starts, dtype=torch.int32, device=device))
+    indptr_list = [0]
+    for n in lens:
+        indptr_list.append(indptr_list[-1] + n)
+    indptr = torch.tensor(indptr_list, dtype=torch.int32, device=device)
+    return KVIndexList(indptr, slots.to(torch.int32), torch.tensor(starts, dtype=torch.int32, device=device),
+                       indptr_list, list(starts))
 
 
 def window_index_list(pool, req_to_token: torch.Tensor, req_rows, prefix_lens, seq_lens, window: int) -> KVIndexList:

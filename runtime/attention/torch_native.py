@@ -13,9 +13,7 @@ class TorchNativeBackend(AttentionBackend):
 
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
         meta = self.meta
-        qo = meta.qo_indptr.tolist()
-        kv = keys.indptr.tolist()
-        starts = keys.start.tolist()
+        qo, kv, starts = meta.qo_list, keys.indptr_list, keys.start_list
         out = torch.empty_like(q)  # (T, H, D)
         group = layer.num_heads // layer.num_kv_heads
         window = layer.sliding_window
