@@ -93,10 +93,11 @@ def test_torch_backend_matches_transformers(setup, policy, graphs, page_size):
     assert t.translation_count == runs * expected_gathers  # + 1: the window indices' one-off translation
 
 
-# The interpreter is slow on CPU: a spread of combinations rather than the full product.
+# The interpreter is slow on CPU: every policy, mode and page size, spread over combinations rather than
+# the full product.
 @pytest.mark.parametrize("policy, graphs, page_size", [
-    ("memo", False, 1), ("memo", True, 4), ("per_forward", True, 1),
-], ids=["memo-eager-page1", "memo-graph-page4", "per_forward-graph-page1"])
+    ("memo", False, 1), ("memo", True, 4), ("per_forward", True, 1), ("layerwise", False, 4), ("off", True, 1),
+], ids=["memo-eager-page1", "memo-graph-page4", "per_forward-graph-page1", "layerwise-eager-page4", "off-graph-page1"])
 def test_triton_backend_matches_transformers(setup, policy, graphs, page_size):
     engine, outs, logits = run(setup, loc_cache=policy, graphs=graphs, page_size=page_size,
                                attention_backend="triton")
