@@ -25,7 +25,7 @@ class EngineConfig:
     swa_full_tokens_ratio: float = 0.25  # SWA pool size / full pool size
     max_running_requests: int = 16
     context_length: int | None = None  # None: the model's
-    chunked_prefill_size: int = 1024
+    chunked_prefill_size: int = 2048
     hicache_size: int = 0  # host-memory KV tier in tokens (0: retracted requests are recomputed)
     telemetry: bool = True
     seed: int = 0
