@@ -2,7 +2,7 @@
 nothing else non-benign; with the guard on the outputs equal the clean run; with the guard off the faults
 that can corrupt do (and sampled verification catches them), the others cannot, for the reason stated.
 
-Where the workload's phases matter (see runtime/diagnose.py):
+Where the workload's phases matter (see runtime/diagnose/__init__.py):
 - skip-forward-invalidation shows only in `reserved_decode`: in the scheduler phase every forward follows an
   allocation whose invalidation hook also empties the cache. A replay after an eager forward is
   `cross_forward` (different tensor); a replay after a replay of the same static buffer is `stale_loc`

@@ -1,0 +1,178 @@
+"""The diagnose report: rows per policy x site x classification, suggested fixes, rendering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.diagnose.workload import PHASES, Mismatch, RunResult
+from runtime.mem_cache.translation import ONE_OFF_SITE
+from telemetry.events import KeyChangeEvent
+from telemetry.names import NON_BENIGN_CLASSIFICATIONS
+
+
+MUTATION_CODE = {
+    "register_mapping": "HybridKVPool.register_mapping -> HybridAllocator.register_mapping",
+    "set_mapping": "HybridAllocator.set_full_to_swa_mapping",
+    "clear_swa_mapping": "HybridAllocator.clear_swa_mapping",
+    "alloc": "HybridAllocator._map (alloc, alloc_extend, alloc_decode, alloc_window)",
+    "free": "HybridAllocator.free",
+    "free_swa": "HybridAllocator.free_swa",
+    "clear": "HybridAllocator.clear",
+}
+
+
+def _mutation_site(cause: str | None) -> str | None:
+    marker = "mapping changed at "
+    if cause and marker in cause:
+        return cause.split(marker, 1)[1].split(";")[0].strip()
+    return None
+
+
+def suggest_fix(e: KeyChangeEvent) -> str:
+    """One line: which invalidation is missing, and where it belongs."""
+    c = e.classification
+    crossed = e.prev_forward_id is not None and e.prev_forward_id != e.forward_id
+    if c == "stale_loc":
+        if e.cause and "verification" in e.cause:
+            return "a write no version counter sees (raw kernel, numpy) changed the buffer: invalidate right after it"
+        if crossed:
+            return (f"the entry crossed from forward {e.prev_forward_id} to {e.forward_id} while its buffer was "
+                    "rewritten in place (a reused static buffer: rule 5 outranks rule 6): invalidate at forward "
+                    "entry, before the graph/eager branch")
+        site = _mutation_site(e.cause)
+        if site is not None:
+            return (f"the mapping mutation `{site}` ({MUTATION_CODE.get(site, site)}) changed the mapping "
+                    "mid-forward without invalidate_loc_cache(): invalidate there")
+        return "an in-place write to the location buffer reached the cache without invalidate_loc_cache(): add it there"
+    if c == "cross_forward":
+        return (f"missing forward-entry invalidation: the entry from forward {e.prev_forward_id} ({e.prev_mode}) "
+                f"reached forward {e.forward_id} ({e.mode}); invalidate before the graph/eager branch")
+    if c == "capture_pollution":
+        return "invalidate at the start of every graph warm-up/capture run, or the captured graph records no gather"
+    if c == "view_offset":
+        return "key the memo on the view's data_ptr(), not the storage base pointer"
+    if ONE_OFF_SITE in (e.site, e.prev_site):
+        return (f"the one-off `{ONE_OFF_SITE}` translation went through the cache and evicted the forward's entry: "
+                "route it around the cache (SPEC §5 rule 1)")
+    return "benign: a second tensor translated within one forward (one extra gather)"
+
+
+def _stack(stack: str, frames: int = 4) -> str:
+    """The caller stack without torch's module-dispatch frames, innermost `frames` kept."""
+    parts = [p for p in stack.split(" > ") if p and not p.startswith("modules/module.py")]
+    return " > ".join(parts[-frames:]) or "-"
+
+
+@dataclass
+class Row:
+    policy: str
+    site: str
+    classification: str
+    count: int
+    first: KeyChangeEvent | None
+    phase: str | None  # workload phase of the first occurrence
+
+    @property
+    def benign(self) -> bool:
+        return self.classification not in NON_BENIGN_CLASSIFICATIONS
+
+    def as_dict(self) -> dict:
+        e, first = self.first, None
+        if e is not None:
+            first = {"forward_id": e.forward_id, "mode": e.mode, "phase": self.phase, "prev_site": e.prev_site,
+                     "prev_forward_id": e.prev_forward_id, "prev_mode": e.prev_mode, "cause": e.cause,
+                     "stack": e.stack}
+        return {"policy": self.policy, "site": self.site, "classification": self.classification,
+                "count": self.count, "benign": self.benign, "first": first,
+                "fix": suggest_fix(e) if e is not None else None}
+
+
+@dataclass
+class PolicyReport:
+    policy: str
+    result: RunResult
+    reference: str  # what the outputs were compared with
+    mismatches: list[Mismatch]
+    failures: list[str]
+
+
+@dataclass
+class Report:
+    model: str
+    inject: tuple[str, ...]
+    guard: bool
+    verify: float
+    policies: list[PolicyReport]
+    rows: list[Row]
+
+    @property
+    def failures(self) -> list[str]:
+        return [f"{p.policy}: {f}" for p in self.policies for f in p.failures]
+
+    @property
+    def exit_status(self) -> int:
+        return 1 if self.failures else 0
+
+    def totals(self) -> dict:
+        by_class: dict[str, int] = {}
+        for r in self.rows:
+            by_class[r.classification] = by_class.get(r.classification, 0) + r.count
+        return {"non_benign_events": sum(r.count for r in self.rows if not r.benign),
+                "benign_events": sum(r.count for r in self.rows if r.benign),
+                "by_classification": by_class,
+                "output_mismatches": sum(len(p.mismatches) for p in self.policies),
+                "failures": len(self.failures)}
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model, "inject": list(self.inject), "loc_cache_guard": self.guard,
+            "loc_cache_verify": self.verify, "phases": list(PHASES),
+            "rows": [r.as_dict() for r in self.rows],
+            "runs": [{"policy": p.policy, "reference": p.reference, "outputs_equal": not p.mismatches,
+                      "mismatches": [vars(m) for m in p.mismatches], "coverage": p.result.coverage,
+                      "stale_guard_misses": p.result.stale_guard_misses,
+                      "suppressed_logs": p.result.suppressed_logs, "failures": p.failures}
+                     for p in self.policies],
+            "totals": self.totals(),
+            "failures": self.failures,
+            "exit_status": self.exit_status,
+        }
+
+
+def render(report: Report) -> str:
+    """The table for people: one line per (policy, site, classification), then origin, cause, stack and fix."""
+    lines = [f"swa-runtime diagnose: model {report.model}, inject {' '.join(report.inject) or '(none)'}, "
+             f"guard {'on' if report.guard else 'off'}" + (f", verify {report.verify:g}" if report.verify else "")]
+    if report.policies:
+        cov = report.policies[0].result.coverage
+        lines.append(f"workload per policy ({', '.join(PHASES)}): " + ", ".join(f"{k} {v}" for k, v in cov.items()))
+    lines.append("")
+    header = (f"{'policy':<12}{'site':<16}{'classification':<21}{'kind':<8}{'count':>5}  "
+              f"{'first seen':<40}filled by")
+    lines += [header, "-" * (len(header) + 30)]
+    if not report.rows:
+        lines.append("(no key-change events)")
+    for r in report.rows:
+        e = r.first
+        seen = f"fwd {e.forward_id} {e.mode} ({r.phase})" if e else "-"
+        filled = f"{e.prev_site} @ fwd {e.prev_forward_id} {e.prev_mode}" if e and e.prev_site else "-"
+        kind = "benign" if r.benign else "BUG"
+        lines.append(f"{r.policy:<12}{r.site:<16}{r.classification:<21}{kind:<8}{r.count:>5}  {seen:<40}{filled}")
+        if e is not None:
+            indent = " " * 12
+            if e.cause:
+                lines.append(f"{indent}cause: {e.cause}")
+            if e.stack:
+                lines.append(f"{indent}stack: {_stack(e.stack)}")
+            lines.append(f"{indent}fix:   {suggest_fix(e)}")
+    lines.append("")
+    for p in report.policies:
+        n = p.result.stale_guard_misses
+        recomputed = f" ({n} stale {'entry' if n == 1 else 'entries'} recomputed)" if n else ""
+        lines.append(f"outputs {p.policy:<12}{'equal' if not p.mismatches else 'DIFFER'} vs {p.reference}{recomputed}")
+        lines += [f"{'':<20}{m.describe()}" for m in p.mismatches]
+    totals = report.totals()
+    lines += ["", f"non-benign events: {totals['non_benign_events']}, benign: {totals['benign_events']}, "
+                  f"failures: {totals['failures']} -> exit {report.exit_status}"]
+    lines += [f"  FAIL {f}" for f in report.failures]
+    return "\n".join(lines)
