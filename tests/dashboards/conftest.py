@@ -8,10 +8,7 @@ histogram quantiles have real values. The runtime itself is not needed.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
-import urllib.parse
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Iterator
@@ -20,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from live_helpers import free_port, prom_query, wait_for  # noqa: F401  (tests/ is on sys.path)
+from live_helpers import prom_query, start_prometheus, stop, wait_for  # tests/ is on sys.path
 from telemetry import names as n
 
 REPO = Path(__file__).resolve().parents[2]
@@ -159,38 +156,13 @@ def fake_runtime() -> Iterator[tuple[FakeRuntime, int]]:
 @pytest.fixture(scope="session")
 def live_prometheus(tmp_path_factory, fake_runtime) -> Iterator[str]:
     """A real Prometheus on loopback scraping the fake runtime every second with our rule files."""
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus not on PATH (Debian package `prometheus`)")
     _, exporter_port = fake_runtime
-    work = tmp_path_factory.mktemp("prometheus")
-    config = work / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{PROM_DIR / 'rules' / 'recording.yml'}', '{PROM_DIR / 'rules' / 'alerts.yml'}']\n"
-        "scrape_configs:\n"
-        f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['127.0.0.1:{exporter_port}']}}]\n"
-    )
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = (work / "prometheus.log").open("w")
-    proc = subprocess.Popen(
-        [binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
-         f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
+    proc, url = start_prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{exporter_port}")
     try:
-        wait_for(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=1).status == 200, 30, "Prometheus ready")
         wait_for(lambda: prom_query(url, "swa_runtime:loc_cache_hit_ratio:rate5m"), 30, "recording rules with data")
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+        stop(proc)
 
 
 @pytest.fixture

@@ -6,7 +6,6 @@ must keep it false."""
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -20,7 +19,7 @@ import pytest
 import yaml
 
 from dashboards.generate import OUTPUT as DASHBOARD_JSON
-from live_helpers import free_port, wait_for
+from live_helpers import free_port, start_prometheus, stop, wait_for
 from live_helpers import prom_query as query
 from dashboards.snapshot import Prometheus, fetch
 
@@ -55,37 +54,6 @@ def start_runtime(tmp: Path, *inject: str) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def start_prometheus(tmp: Path, target: str) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("prometheus not on PATH (Debian package `prometheus`)")
-    work = tmp / f"prom-{free_port()}"
-    work.mkdir()
-    config = work / "prometheus.yml"
-    config.write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        f"rule_files: ['{RULES / 'recording.yml'}', '{RULES / 'alerts.yml'}']\n"
-        "scrape_configs:\n"
-        f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['{target}']}}]\n"
-    )
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=(work / "log").open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: get(f"{url}/-/ready", 1) is not None, 30, "Prometheus ready")
-    return proc, url
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 def drive(url: str, seconds: float, max_requests: int = 200) -> int:
     """Mixed-length greedy requests from 3 client threads for `seconds` (bounded); returns requests sent."""
     sent = [0]
@@ -114,7 +82,7 @@ def live_stack(tmp: Path, *inject: str, seconds: float = 20.0):
     """Runtime + Prometheus; drives traffic, then yields (requests sent, Prometheus URL, bug-alert results)."""
     runtime, url = start_runtime(tmp, *inject)
     try:
-        prom, prom_url = start_prometheus(tmp, url.removeprefix("http://"))
+        prom, prom_url = start_prometheus(tmp / f"prom-{free_port()}", url.removeprefix("http://"))
     except BaseException:
         stop(runtime)
         raise
