@@ -34,7 +34,7 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.stats = EngineStats(cfg.loc_cache, model=str(cfg.model), backend=cfg.attention_backend)
         self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
-        self.runner = ModelRunner(cfg, model, self.stats, self.reporter, Faults.parse(cfg.inject))
+        self.runner = ModelRunner(cfg, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
         self.pool = self.runner.pool
         self.scheduler = Scheduler(self.runner, self.stats, self.tokenizer.eos_token_ids,
                                    torch.Generator().manual_seed(cfg.seed), cfg.hicache_size)

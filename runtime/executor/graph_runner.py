@@ -14,6 +14,7 @@ Padded entries point at row 0 of the request table, slot 0 of both pools: the si
 from __future__ import annotations
 
 import torch
+from tqdm import tqdm
 
 from runtime.executor.forward_batch import ForwardBatch
 
@@ -39,10 +40,10 @@ class StaticGraphRunner:
     def can_run(self, batch: ForwardBatch) -> bool:
         return batch.is_decode and batch.batch_size <= self.batch_sizes[-1]
 
-    def capture(self) -> None:
+    def capture(self, progress: bool = False) -> None:
         """Warm up and capture every batch size over the padding sink."""
         skip = "skip-capture-invalidation" in self.runner.faults
-        for bs in self.batch_sizes:
+        for bs in tqdm(self.batch_sizes, desc="Capturing decode graphs", unit="batch size", disable=not progress):
             buf = self.buffers[bs]
             for _ in range(WARMUP_RUNS + 1):
                 forward_id = self.runner.next_forward_id()

@@ -29,7 +29,8 @@ class PoolTooSmallError(ValueError):
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model, stats: EngineStats, reporter, faults: Faults = Faults()):
+    def __init__(self, cfg: EngineConfig, model, stats: EngineStats, reporter, faults: Faults = Faults(),
+                 progress: bool = False):
         self.cfg = cfg
         self.model = model
         self.model_config = model.config
@@ -63,7 +64,7 @@ class ModelRunner:
         self._forward_id = 0
         self.graph_runner = StaticGraphRunner(self, cfg.graph_batch_sizes) if cfg.graphs else None
         if self.graph_runner is not None:
-            self.graph_runner.capture()
+            self.graph_runner.capture(progress)
 
     def _translator_options(self) -> dict:
         if self.cfg.loc_cache not in ("memo", "layerwise"):
