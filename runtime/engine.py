@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from runtime.config import EngineConfig
-from runtime.core import Req, RequestError
+from runtime.core import Req
 from runtime.executor.model_runner import DTYPES, ModelRunner
 from runtime.faults import Faults
 from runtime.layers.sampler import SamplingParams
@@ -19,8 +19,6 @@ from runtime.scheduler.scheduler import Scheduler
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
 from telemetry.stats import EngineStats
-
-CapacityError = RequestError  # kept for callers of the first offline engine
 
 
 class Engine:

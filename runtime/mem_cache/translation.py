@@ -14,6 +14,7 @@ gathers the facts for them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -44,7 +45,7 @@ def _version(t: torch.Tensor) -> int:
         return -1
 
 
-class MappingSource:
+class MappingSource(Protocol):
     """What a translator reads: the allocator's current mapping, its generation and last mutation site."""
 
     full_to_swa_index_mapping: torch.Tensor
@@ -127,7 +128,6 @@ class _CachingTranslator(Translator):
         self._hits_since_verify = 0
         self._entry: _Entry | None = None
         self._invalidated_since_fill = False
-        self.respect_invalidation_sites: frozenset[str] | None = None  # None: every site clears the entry
 
     def invalidate(self, site: str) -> None:
         self.stats.invalidation(site)
