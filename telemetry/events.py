@@ -135,7 +135,7 @@ def _is_library_frame(path: str) -> bool:
     return any(marker in path for marker in _LIBRARY_MARKERS)
 
 
-def caller_stack(skip: int = 0, limit: int = 6) -> str:
+def caller_stack(skip: int = 0, limit: int = 10) -> str:
     """Summarise the caller's frames as `dir/file.py:line function`, innermost last.
 
     `skip=0` starts at the function that calls `caller_stack`; each extra `skip` drops one more inner frame

@@ -57,10 +57,13 @@ def suggest_fix(e: KeyChangeEvent) -> str:
     return "benign: a second tensor translated within one forward (one extra gather)"
 
 
-def _stack(stack: str, frames: int = 4) -> str:
-    """The caller stack without torch's module-dispatch frames, innermost `frames` kept."""
-    parts = [p for p in stack.split(" > ") if p and not p.startswith("modules/module.py")]
-    return " > ".join(parts[-frames:]) or "-"
+def _stack(stack: str, outer: int = 3, inner: int = 2) -> str:
+    """The caller stack shortened to the engine path that led here (outermost frames: which runner branch)
+    and the translate call site (innermost frames)."""
+    parts = [p for p in stack.split(" > ") if p]
+    if len(parts) > outer + inner:
+        parts = parts[:outer] + ["..."] + parts[-inner:]
+    return " > ".join(parts) or "-"
 
 
 @dataclass
