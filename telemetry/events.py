@@ -1,4 +1,4 @@
-"""The translation-cache lookup classifier and the key-change event record (SPEC §5).
+"""The translation-cache lookup classifier and the key-change event record (docs/translation-rules.md).
 
 The classifier is a pure function of what the memo cache observed, so the rules can be tested (and
 re-stated) without torch or an engine. It runs on every lookup: verdicts are precomputed immutable objects,
@@ -56,50 +56,23 @@ BENIGN_FRESH_TENSOR = LookupVerdict(
 
 
 def classify_lookup(facts: LookupFacts, guard: bool = True) -> LookupVerdict:
-    """Apply SPEC §5 rules 2-8 in order (rule 1, the one-off bypass, never reaches a lookup).
+    """Apply rules 2-8 of docs/translation-rules.md in order (rule 1, the one-off bypass, never reaches a
+    lookup).
 
     `guard=False` reproduces the original unguarded memo: a same-key entry whose guard changed is still
     returned (and counted as a hit), but classified `stale_loc` so the event is not lost.
     """
-    return classify_flags(
-        facts.has_entry,
-        facts.invalidated_since_fill,
-        facts.capturing,
-        facts.entry_before_capture_run,
-        facts.same_key,
-        facts.same_view,
-        facts.guard_equal,
-        facts.entry_from_earlier_forward,
-        guard,
-    )
-
-
-def classify_flags(
-    has_entry: bool,
-    invalidated_since_fill: bool,
-    capturing: bool,
-    entry_before_capture_run: bool,
-    same_key: bool,
-    same_view: bool,
-    guard_equal: bool,
-    entry_from_earlier_forward: bool,
-    guard: bool = True,
-) -> LookupVerdict:
-    """`classify_lookup` on plain arguments, for a hot path that cannot afford to build a `LookupFacts`.
-
-    (Building the frozen dataclass costs several times more than classifying it.)
-    """
-    if not has_entry:
-        return MISS_INVALIDATED if invalidated_since_fill else MISS_COLD
-    if capturing and entry_before_capture_run:
-        return CAPTURE_POLLUTION
-    if same_key:
-        if not same_view:
-            return VIEW_OFFSET
-        if not guard_equal:
-            return STALE_LOC if guard else STALE_LOC_UNGUARDED
-        return CROSS_FORWARD_HIT if entry_from_earlier_forward else HIT
-    return CROSS_FORWARD_MISS if entry_from_earlier_forward else BENIGN_FRESH_TENSOR
+    if not facts.has_entry:
+        return MISS_INVALIDATED if facts.invalidated_since_fill else MISS_COLD  # rule 2
+    if facts.capturing and facts.entry_before_capture_run:
+        return CAPTURE_POLLUTION  # rule 3
+    if facts.same_key:
+        if not facts.same_view:
+            return VIEW_OFFSET  # rule 4
+        if not facts.guard_equal:
+            return STALE_LOC if guard else STALE_LOC_UNGUARDED  # rule 5, before rule 6
+        return CROSS_FORWARD_HIT if facts.entry_from_earlier_forward else HIT  # rules 6 and 8
+    return CROSS_FORWARD_MISS if facts.entry_from_earlier_forward else BENIGN_FRESH_TENSOR  # rules 6 and 7
 
 
 @dataclass(frozen=True, slots=True)
