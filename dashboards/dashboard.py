@@ -117,8 +117,8 @@ def invalidation_and_events() -> list[dict[str, Any]]:
         timeseries(
             "Invalidations by site",
             "Cache invalidations per second by site: allocator and mapping mutations (alloc, free, "
-            "free_swa, set_mapping, register_mapping, ...) and lifecycle points (forward_entry, "
-            "graph_capture, hicache_loadback).",
+            "free_swa, clear, set_mapping, clear_swa_mapping, register_mapping), lifecycle points "
+            "(forward_entry, graph_capture) and explicit calls without a site (manual).",
             "ops",
             [target(f"sum by (site) ({rate(inv)})", "{{site}}")],
             stack=True,

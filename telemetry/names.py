@@ -1,4 +1,4 @@
-"""Metric names and closed label sets: the contract that dashboards, alerts and tests read (SPEC §5).
+"""Metric names and closed label sets: the contract that dashboards, alerts and tests read (docs/metrics.md).
 
 Everything here is plain data so that `dashboards/` and tests can import it without pulling torch.
 """
@@ -61,12 +61,11 @@ INVALIDATION_SITES = (
     "register_mapping",
     "forward_entry",
     "graph_capture",
-    "hicache_loadback",
     "manual",
     OTHER,
 )
 # Where a translation is asked for.
-TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", "hicache", OTHER)
+TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", OTHER)
 FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay")
 KV_POOLS = ("full", "swa")
 KV_STATES = ("used", "available", "total")

@@ -99,11 +99,11 @@ def test_repeats_are_rate_limited_per_site_and_classification_and_counted(stats,
     for _ in range(3):
         reporter.report(event())
     reporter.report(event(classification="cross_forward"))  # another key: its own budget
-    reporter.report(event(site="hicache"))
+    reporter.report(event(site="window_indices"))
     assert [(r["site"], r["classification"]) for r in warnings(capture)] == [
         ("kv_write", "stale_loc"),
         ("kv_write", "cross_forward"),
-        ("hicache", "stale_loc"),
+        ("window_indices", "stale_loc"),
     ]
     assert stats.suppressed_counts == {"loc_key_change": 2, "other": 0}
     assert registry.get_sample_value(names.LOG_EVENTS_SUPPRESSED, {"event": "loc_key_change"}) == 2
@@ -159,7 +159,7 @@ def test_first_events_keeps_the_first_of_each_kind_in_order(stats, clock):
     a2 = event(prev_forward_id=2)
     b = event(classification="cross_forward")
     c = event(site="attn_metadata", classification="benign_fresh_tensor")
-    d = event(site="hicache")
+    d = event(site="window_indices")
     for e in (a1, a2, b, c, a2, d):
         reporter.report(e)
     assert reporter.first_events() == [a1, b, c]  # bounded at 3: d is dropped
