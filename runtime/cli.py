@@ -6,48 +6,9 @@ import argparse
 import json
 import sys
 
-from runtime.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = p.add_argument_group("engine")
-    g.add_argument("--model", default=d.model, help="gemma3-270m (default), tiny, a .gguf file or a HF directory")
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
-    g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)
-    g.add_argument("--loc-cache", choices=POLICIES, default=d.loc_cache, help="full→SWA translation policy")
-    g.add_argument("--loc-cache-guard", choices=("on", "off"), default="on",
-                   help="version guard on memo/layerwise entries (off reproduces the unguarded design)")
-    g.add_argument("--loc-cache-verify", type=float, default=d.loc_cache_verify, metavar="RATE",
-                   help="fraction of cache hits recomputed and compared")
-    g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
-    g.add_argument("--page-size", type=int, default=d.page_size)
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="full KV pool size in tokens")
-    g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
-                   help="SWA pool size as a fraction of the full pool")
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None)
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
-    g.add_argument("--hicache-size", type=int, default=d.hicache_size,
-                   help="host-memory KV tier in tokens for requests retracted under pool pressure (0: recompute)")
-    g.add_argument("--seed", type=int, default=d.seed)
-    g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
-                   help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
-    g.add_argument("--log-format", choices=("console", "json"), default="console")
-    g.add_argument("--log-level", default="WARNING")
-
-
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, dtype=args.dtype, attention_backend=args.attention_backend, loc_cache=args.loc_cache,
-        loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
-        graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
-        swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
-        context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
-        hicache_size=args.hicache_size, seed=args.seed,
-        inject=tuple(args.inject),
-    )
+from runtime.options import add_engine_args, engine_config
 
 
 def parse_ids(text: str) -> list[int]:

@@ -13,6 +13,7 @@ import sys
 
 import uvicorn
 
+from runtime.options import engine_config
 from runtime.server.engine_loop import EngineLoop
 
 
@@ -35,7 +36,6 @@ def _exit_cleanly(signum, frame) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from runtime.cli import engine_config
     from runtime.engine import Engine
     from runtime.models.registry import resolve_model
     from runtime.server.app import create_app
