@@ -1,4 +1,4 @@
-"""The swa-runtime Grafana dashboard, as code: rows, panels, queries, variables (SPEC §6).
+"""The swa-runtime Grafana dashboard, as code: rows, panels, queries, variables (docs/metrics.md).
 
 Queries are written against telemetry/names.py and the recording rules; `python -m dashboards.generate`
 renders this to JSON and `--check` proves the committed JSON matches and names only known metrics.

@@ -49,7 +49,8 @@ def _checks(run: RunResult, mismatches: list[Mismatch], reference: str) -> list[
         if classification in NON_BENIGN_CLASSIFICATIONS:
             failures.append(f"{n} {classification} event(s) at {site}")
     if any(ONE_OFF_SITE in (e.site, e.prev_site) for e in run.first_events.values()):
-        failures.append(f"the one-off `{ONE_OFF_SITE}` translation went through the cache (SPEC §5 rule 1)")
+        failures.append(f"the one-off `{ONE_OFF_SITE}` translation went through the cache "
+                        "(docs/translation-rules.md rule 1)")
     failures += [f"outputs differ from {reference}: {m.describe()}" for m in mismatches]
     return failures
 

@@ -53,7 +53,7 @@ def suggest_fix(e: KeyChangeEvent) -> str:
         return "key the memo on the view's data_ptr(), not the storage base pointer"
     if ONE_OFF_SITE in (e.site, e.prev_site):
         return (f"the one-off `{ONE_OFF_SITE}` translation went through the cache and evicted the forward's entry: "
-                "route it around the cache (SPEC §5 rule 1)")
+                "route it around the cache (docs/translation-rules.md rule 1)")
     return "benign: a second tensor translated within one forward (one extra gather)"
 
 

@@ -16,7 +16,8 @@ Where the workload's phases matter (see runtime/diagnose/__init__.py):
 - storage-pointer-key cannot corrupt here: an entry remembers the exact view it was filled from and rule 4
   recomputes on a collision whatever the guard says.
 - window-buffer-pollution raises only benign events (the window entry is replaced by the write location before
-  any sliding layer reads it), so diagnose flags it through its one-off check (SPEC §5 rule 1), not a bug row.
+  any sliding layer reads it), so diagnose flags it through its one-off check (docs/translation-rules.md
+  rule 1), not a bug row.
 """
 
 import pytest
@@ -110,7 +111,9 @@ def test_window_buffer_pollution_is_benign_per_event_but_fails_the_one_off_check
     # every forward: the window indices fill the entry, the write location evicts it
     assert first["kv_write", "benign_fresh_tensor"].prev_site == "window_indices"
     assert ("window_indices", "benign_fresh_tensor") in first  # a second step of one forward looked it up
-    assert report.failures == ["memo: the one-off `window_indices` translation went through the cache (SPEC §5 rule 1)"]
+    assert report.failures == [
+        "memo: the one-off `window_indices` translation went through the cache (docs/translation-rules.md rule 1)"
+    ]
     assert report.exit_status == 1
 
 

@@ -1,4 +1,4 @@
-"""The translation cache's contract (SPEC §3, §5): each hazard is detected, classified and survived."""
+"""The translation cache's contract (docs/translation-rules.md): each hazard is detected, classified and survived."""
 
 import pytest
 import torch
