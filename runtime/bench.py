@@ -1,6 +1,6 @@
 """`swa-runtime bench`: this runtime next to transformers on the same weights, measured in one run.
 
-Three measurements, printed side by side; nothing is asserted on time (SPEC §7):
+Three measurements, printed side by side; nothing is asserted on time:
 
 1. Throughput: the same synthetic prompts through `Engine.generate` and through transformers' `generate`
    (both greedy, EOS ignored, the same number of new tokens), at each batch size; tokens/s with prefill

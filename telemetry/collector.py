@@ -1,4 +1,4 @@
-"""The scrape-time Prometheus collector: reads `EngineStats` and yields every metric of SPEC §5.
+"""The scrape-time Prometheus collector: reads `EngineStats` and yields every metric of docs/metrics.md.
 
 Names come from `telemetry.names`. Counter names there end in `_total`; `CounterMetricFamily` strips the
 suffix from the family name and puts it back on the sample, so the exposed samples are exactly the names in

@@ -1,4 +1,4 @@
-"""Hot-path counters as plain Python ints; the collector reads them at scrape time (SPEC §5).
+"""Hot-path counters as plain Python ints; the collector reads them at scrape time (docs/metrics.md).
 
 A `prometheus_client` Counter takes a lock per increment; here an increment is a dict lookup and `+= 1`.
 Every label combination is created at 0 up front, so every series exists from start-up (a counter born at 1

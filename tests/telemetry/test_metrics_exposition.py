@@ -29,7 +29,7 @@ def series(label_names: tuple[str, ...], *value_sets) -> set[tuple]:
     return {tuple(sorted(zip(label_names, values))) for values in itertools.product(*value_sets)}
 
 
-# Every labelled counter of SPEC §5 with the full cross product of its label values.
+# Every labelled counter of docs/metrics.md with the full cross product of its label values.
 LABELLED_COUNTERS = {
     names.LOC_CACHE_HITS: series(("policy", "path"), names.POLICIES, names.PATH_LABELS),
     names.LOC_CACHE_MISSES: series(
