@@ -31,7 +31,7 @@ class ByteTokenizer:
     """ids 0..3 are <pad>, <eos>, <bos>, <unk>; byte b is id b + 4. Fits `Gemma3Config.tiny()`."""
 
     OFFSET = 4
-    SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+    CONTROL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 
     def __init__(self) -> None:
         self.pad_token_id, self.bos_token_id = 0, 2
@@ -50,7 +50,7 @@ class ByteTokenizer:
             out.append(pending.decode("utf-8", errors="replace"))
             pending.clear()
             if not skip_special_tokens:
-                out.append(self.SPECIALS[i])
+                out.append(self.CONTROL_TOKENS[i])
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
