@@ -15,7 +15,6 @@ import timeit
 import torch
 from prometheus_client import CollectorRegistry, Counter
 
-from runtime.context import ForwardContext, forward_context
 from runtime.mem_cache.swa_pool import build_hybrid_kv_pool
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
@@ -45,9 +44,10 @@ def hit_path(batch: int, repeat: int) -> None:
     loc = pool.allocator.alloc(batch)
     mapping = pool.allocator.full_to_swa_index_mapping
     counter = Counter("bench_total", "benchmark counter", registry=CollectorRegistry())
-    with forward_context(ForwardContext(1, "eager_decode")):
-        pool.translate_loc_from_full_to_swa(loc, "kv_write")  # fill
-        lookup = per_call_ns(lambda: pool.translate_loc_from_full_to_swa(loc, "kv_write"), repeat)
+    pool.begin_forward(1, "eager_decode")
+    pool.translate_loc_from_full_to_swa(loc, "kv_write")  # fill
+    lookup = per_call_ns(lambda: pool.translate_loc_from_full_to_swa(loc, "kv_write"), repeat)
+    pool.end_forward()
     inc = per_call_ns(counter.inc, repeat)
     gather = per_call_ns(lambda: mapping[loc].to(torch.int32), repeat)
     print(f"hit-path cost (batch {batch}, ns per call, best of 5 x {repeat}):")
@@ -65,11 +65,11 @@ def gathers_per_forward(batch: int, forwards: int = 10) -> None:
         k = torch.zeros(batch, 1, 8)
         t = stats.translation
         for f in range(1, forwards + 1):
-            with forward_context(ForwardContext(f, "eager_decode")):
-                pool.invalidate_loc_cache("forward_entry")
-                swa_loc = pool.translate_loc_from_full_to_swa(loc, "attn_metadata") if policy == "per_forward" else None
-                for layer, is_swa in enumerate(LAYERS):
-                    pool.set_kv_buffer(layer, loc, k, k, swa_loc=swa_loc)
+            pool.begin_forward(f, "eager_decode")  # invalidates at forward entry
+            swa_loc = pool.translate_loc_from_full_to_swa(loc, "attn_metadata") if policy == "per_forward" else None
+            for layer in range(len(LAYERS)):
+                pool.set_kv_buffer(layer, loc, k, k, swa_loc=swa_loc)
+            pool.end_forward()
         hits, misses = sum(t.hit_counts.values()), sum(t.miss_counts.values())
         events = sum(t.key_change_counts.values())
         print(f"  {policy:<12}{t.translation_count / forwards:>12.1f}{hits / forwards:>10.1f}{misses / forwards:>12.1f}{events:>8}")

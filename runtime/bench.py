@@ -25,9 +25,8 @@ import torch
 from tqdm import tqdm
 
 from runtime.config import EngineConfig
+from runtime.core import SamplingParams
 from runtime.engine import Engine
-from runtime.executor.model_runner import DTYPES
-from runtime.layers.sampler import SamplingParams
 from runtime.models.loader import load_model, random_state_dict
 from runtime.models.registry import resolve_model
 from runtime.models.tokenizer import load_tokenizer
@@ -65,46 +64,38 @@ def _sync(device) -> None:
 
 
 class EngineProbe:
-    """Watches an Engine without changing what it computes: times decode forwards, counts prefill tokens,
-    reports tokens to a progress callback, and records the clock and the allocators' usage when prefill ends.
+    """Watches an Engine through its step observer, without changing what it computes: times decode
+    forwards, counts prefill tokens, reports tokens to a progress callback, and records the clock and the
+    pools' usage after the last prefill step (in `generate` every request is admitted at once, and the
+    scheduler decodes only when no prefill is pending, so that is the end of prefill)."""
 
-    NOTE: `Scheduler._decode` is private; wrapping it is the one place where the pools can be read after the
-    last prefill chunk's window eviction and before the first decode allocation. (In `generate` every request
-    is admitted at once, and the scheduler decodes only when no prefill is pending.)
-    """
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self):
+        self.engine: Engine | None = None
         self.on_tokens: Callable[[int], object] | None = None
         self.reset()
-        forward, decode = engine.runner.forward, engine.scheduler._decode
-
-        def timed_forward(batch):
-            start = time.perf_counter()
-            logits = forward(batch)
-            _sync(engine.cfg.device)
-            if batch.is_decode:
-                self.decode_steps.append(time.perf_counter() - start)
-            else:
-                self.prefill_tokens += batch.num_tokens
-            if self.on_tokens is not None:
-                self.on_tokens(batch.num_tokens)
-            return logits
-
-        def watched_decode(reqs):
-            if self.prefill_end is None:
-                self.prefill_end = time.perf_counter()
-                self.kv_used = {f"{pool}_{state}": n for (pool, state), n in engine.kv_tokens().items()}
-            return decode(reqs)
-
-        engine.runner.forward = timed_forward
-        engine.scheduler._decode = watched_decode
 
     def reset(self) -> None:
         self.decode_steps: list[float] = []
         self.prefill_tokens = 0
         self.prefill_end: float | None = None
         self.kv_used: dict | None = None
+
+    def after_step(self, batch, forward_seconds: float) -> None:
+        if batch.is_decode:
+            self.decode_steps.append(forward_seconds)
+        else:
+            self.prefill_tokens += batch.num_tokens
+            self.prefill_end = time.perf_counter()
+            self.kv_used = {f"{pool}_{state}": n for (pool, state), n in self.engine.kv_tokens().items()}
+        if self.on_tokens is not None:
+            self.on_tokens(batch.num_tokens)
+
+
+def probed_engine(cfg: EngineConfig, model, tokenizer) -> EngineProbe:
+    """An engine built with a probe as its step observer."""
+    probe = EngineProbe()
+    probe.engine = Engine(cfg, model=model, tokenizer=tokenizer, observer=probe)
+    return probe
 
 
 def run_ours(probe: EngineProbe, prompts: list[list[int]], gen_len: int, bar: tqdm | None = None) -> RunResult:
@@ -130,7 +121,7 @@ def load_transformers(cfg: EngineConfig):
     from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     transformers.logging.set_verbosity_error()
-    dtype, source = DTYPES[cfg.dtype], resolve_model(cfg.model)
+    dtype, source = getattr(torch, cfg.dtype), resolve_model(cfg.model)
     if source.kind == "tiny":
         hf_config = Gemma3TextConfig(**source.config.to_hf_dict(), attn_implementation=HF_ATTENTION)
         model = Gemma3ForCausalLM._from_config(hf_config, dtype=dtype)
@@ -221,7 +212,7 @@ def kv_row(engine: Engine, batch: int, prompts: list[list[int]], used: dict | No
     full_bytes, swa_bytes = engine.pool.bytes_per_token()
     tokens = sum(len(p) for p in prompts)
     mc = engine.model_config
-    element = torch.empty((), dtype=DTYPES[engine.cfg.dtype]).element_size()
+    element = torch.empty((), dtype=getattr(torch, engine.cfg.dtype)).element_size()
     full_only = mc.num_hidden_layers * 2 * mc.num_key_value_heads * mc.head_dim * element
     ours = (used["full_used"] * full_bytes + used["swa_used"] * swa_bytes) / tokens
     return {"batch": batch, "tokens": tokens, "full_slots": used["full_used"], "swa_slots": used["swa_used"],
@@ -326,11 +317,11 @@ def run_bench(args, cfg: EngineConfig) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # one setting for both sides
 
-    model_config, model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
-    window = model_config.sliding_window if model_config.sliding_layer_ids else None
+    model_config, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     tokenizer = load_tokenizer(cfg.model)
-    probe = EngineProbe(Engine(cfg, model=model, tokenizer=tokenizer))  # both engines share the weights
-    probe_off = EngineProbe(Engine(cfg.with_(telemetry=False), model=model, tokenizer=tokenizer))
+    probe = probed_engine(cfg, model, tokenizer)  # both engines share the weights
+    window = probe.engine.resolved.window
+    probe_off = probed_engine(cfg.with_(telemetry=False), model, tokenizer)
     hf = None if args.skip_transformers else load_transformers(cfg)
 
     def prompts_for(batch: int) -> list[list[int]]:

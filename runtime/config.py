@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-POLICIES = ("memo", "layerwise", "per_forward", "off")
+from telemetry.names import POLICIES
+
 BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16")
 
@@ -54,9 +55,36 @@ class EngineConfig:
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
 
-    def pool_sizes(self) -> tuple[int, int]:
-        """(full, SWA) pool sizes in tokens, each rounded down to whole pages."""
+    def resolve(self, model_config) -> "ResolvedConfig":
+        """The values derived from this config and the model's, computed once (raises PoolTooSmallError)."""
         ps = self.page_size
         full = self.max_total_tokens // ps * ps
         swa = int(full * self.swa_full_tokens_ratio) // ps * ps
-        return full, swa
+        window = model_config.sliding_window if model_config.sliding_layer_ids else None
+        if window is not None and swa < window + ps:
+            raise PoolTooSmallError(
+                f"SWA pool of {swa} tokens cannot hold one sliding window ({window}) plus a page ({ps}); "
+                f"raise --max-total-tokens ({self.max_total_tokens}) or --swa-full-tokens-ratio "
+                f"({self.swa_full_tokens_ratio})"
+            )
+        limit = model_config.max_position_embeddings
+        context = min(self.context_length or limit, limit)
+        return ResolvedConfig(engine=self, full_pool_size=full, swa_pool_size=swa, window=window,
+                              context_length=context, vocab_size=model_config.vocab_size)
+
+
+class PoolTooSmallError(ValueError):
+    """The configured pools cannot serve even one request of this model."""
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """An `EngineConfig` with what follows from the model: pool sizes in whole pages, the sliding window
+    (None for a model without sliding layers), the context length actually accepted."""
+
+    engine: EngineConfig
+    full_pool_size: int
+    swa_pool_size: int
+    window: int | None
+    context_length: int
+    vocab_size: int

@@ -1,4 +1,4 @@
-"""Requests as the scheduler sees them."""
+"""Requests and their sampling parameters, as the scheduler and the engine see them (no torch here)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,26 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from runtime.layers.sampler import SamplingParams
-
 _ids = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be within [0, 100], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
 class RequestError(ValueError):
@@ -34,8 +51,9 @@ class Req:
     finish_reason: str | None = None  # length | stop | abort | error
     error: str | None = None
     # KV bookkeeping (scheduler only)
-    row: int = -1
-    locs: list[int] = field(default_factory=list)  # full slot of each cached position
+    row: int = -1  # request-table row while admitted
+    row_fresh: bool = False  # the row was (re)assigned: the engine must write the whole table row again
+    locs: list[int] = field(default_factory=list)  # full slot of each cached position: the one record of them
     swa_released_upto: int = 0
     offloaded: object | None = None  # host copy while retracted (HostKV)
     logits: list | None = None  # sampled-token logits when a caller asks for them

@@ -1,43 +1,128 @@
 """Engine: the model, its tokenizer, telemetry, the model runner and the scheduler, wired together.
 
-`generate()` is the offline entry point (`swa-runtime generate`, benchmarks, tests): it queues every prompt
-and steps the scheduler until all are done. The server drives the same scheduler from its own thread.
+`step()` is the whole engine loop body: the scheduler plans a batch, the runner runs the forward, the
+engine samples, the scheduler processes the results. `generate()` is the offline entry point
+(`swa-runtime generate`, benchmarks, tests): it queues every prompt and steps until all are done. The
+server steps the same engine from its own thread.
 """
 
 from __future__ import annotations
 
+import time
+from typing import Protocol
+
+import structlog
 import torch
 
 from runtime.config import EngineConfig
-from runtime.core import Req
-from runtime.executor.model_runner import DTYPES, ModelRunner
+from runtime.core import Req, SamplingParams
+from runtime.executor.forward_batch import ForwardBatch
+from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
-from runtime.layers.sampler import SamplingParams
+from runtime.layers.sampler import sample
+from runtime.mem_cache.hicache import HostKVCache
+from runtime.mem_cache.slots import KVSlots
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
+from runtime.scheduler.batch import ScheduledBatch
 from runtime.scheduler.scheduler import Scheduler
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
 from telemetry.stats import EngineStats
 
+log = structlog.get_logger("swa_runtime.engine")
+
+
+class StepObserver(Protocol):
+    """Watches the engine's steps without changing them (benchmarks, progress bars): called after each step
+    has been processed, with the batch and the seconds its forward took."""
+
+    def after_step(self, batch: ScheduledBatch, forward_seconds: float) -> None: ...
+
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, progress: bool = True, model=None, tokenizer=None):
+    def __init__(self, cfg: EngineConfig, progress: bool = True, model=None, tokenizer=None,
+                 observer: StepObserver | None = None):
         """`model` (and `tokenizer`) may be given pre-built, e.g. a test's model with a chosen window."""
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         if model is None:
-            _, model = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device, progress=progress)
+            _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress)
         self.model_config = model.config
+        self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        self.stats = EngineStats(cfg.loc_cache, model=str(cfg.model), backend=cfg.attention_backend)
+        self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
+                                 gauges=self)
         self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
-        self.runner = ModelRunner(cfg, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
+        self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
         self.pool = self.runner.pool
-        self.scheduler = Scheduler(self.runner, self.stats, self.tokenizer.eos_token_ids,
-                                   torch.Generator().manual_seed(cfg.seed), cfg.hicache_size)
-        self.stats.kv_tokens_fn = self.kv_tokens
+        self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size))
+        self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids)
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.observer = observer
 
+    @property
+    def context_length(self) -> int:
+        return self.resolved.context_length
+
+    # ---- the loop body -----------------------------------------------------------------------------------
+    def step(self) -> bool:
+        """Schedule -> run -> process. False when there was nothing to run."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return False
+        start = time.perf_counter()
+        logits = self.runner.forward(self._forward_batch(batch))  # (B, vocab)
+        seconds = time.perf_counter() - start
+        self.scheduler.process(batch, self._sample(batch, logits))
+        if self.observer is not None:
+            self.observer.after_step(batch, seconds)
+        return True
+
+    def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
+        """The tensors of a forward; the request table gets each request's new slots (whole rows if fresh)."""
+        table = self.runner.req_to_token
+        locs = torch.tensor(batch.out_locs, dtype=torch.int64)
+        offset = 0
+        for r, p, s, fresh in zip(batch.reqs, batch.prefix_lens, batch.seq_lens, batch.fresh_rows):
+            if fresh and p:
+                table.write(r.row, 0, torch.tensor(r.locs[:p], dtype=torch.int64))
+            table.write(r.row, p, locs[offset:offset + s - p])
+            offset += s - p
+        device = self.cfg.device
+        return ForwardBatch(
+            is_decode=batch.is_decode,
+            input_ids=torch.tensor(batch.input_ids(), dtype=torch.int64, device=device),
+            positions=torch.tensor(batch.positions(), dtype=torch.int64, device=device),
+            out_cache_loc=locs.to(device),
+            req_rows=[r.row for r in batch.reqs],
+            prefix_lens=list(batch.prefix_lens),
+            seq_lens=list(batch.seq_lens),
+        )
+
+    def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
+        """One token per request in `batch.sample`. A request whose sampling fails ends with status `error`
+        (its token is skipped); the others are unaffected."""
+        rows = logits[list(batch.sample)]
+        reqs = [batch.reqs[i] for i in batch.sample]
+        for r, row in zip(reqs, rows):
+            if r.logits is not None:
+                r.logits.append(row.float().cpu())
+        try:
+            return sample(rows, [r.params for r in reqs], self.generator)
+        except Exception:  # noqa: BLE001 - find the request that failed; fail it alone
+            tokens = []
+            for r, row in zip(reqs, rows):
+                try:
+                    tokens.extend(sample(row[None], [r.params], self.generator))
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("sampling_failed", error=type(exc).__name__)
+                    self.scheduler.abort(r.rid, status="error", reason="error",
+                                         message=f"sampling failed: {type(exc).__name__}")
+                    tokens.append(-1)  # skipped: the request is done
+            return tokens
+
+    # ---- offline -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
                  logits_out: list | None = None) -> list[list[int]]:
         """Output token ids per prompt. Every prompt is validated first (RequestError: nothing queued).
@@ -50,7 +135,7 @@ class Engine:
             self.scheduler.add(r)
         try:
             while not all(r.done for r in reqs):
-                if not self.scheduler.step():
+                if not self.step():
                     raise RuntimeError("scheduler made no progress with requests pending")
         finally:
             for r in reqs:
@@ -60,11 +145,18 @@ class Engine:
             logits_out.extend(torch.stack(r.logits) for r in reqs)
         return [r.output_ids for r in reqs]
 
+    # ---- gauges (read at scrape time) --------------------------------------------------------------------
     def kv_tokens(self) -> dict[tuple[str, str], int]:
-        a = self.pool.allocator
-        out = {}
-        for name, alloc in (("full", a.full), ("swa", a.swa)):
-            out[name, "total"] = alloc.size
-            out[name, "available"] = alloc.available_size()
-            out[name, "used"] = alloc.used_size()
-        return out
+        return self.slots.usage()
+
+    def queue_sizes(self) -> tuple[int, int]:
+        return self.scheduler.queue_sizes()
+
+
+def model_label(model: str) -> str:
+    """The model's name for labels and logs: a registry name as it is, a path reduced to its file stem
+    (labels must not carry file-system paths)."""
+    from pathlib import PurePath
+
+    name = PurePath(str(model)).name
+    return name.removesuffix(".gguf") or "unknown"

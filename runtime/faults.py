@@ -18,6 +18,10 @@ FAULTS = {
 }
 
 
+# Mapping mutations of the hybrid allocator (register_mapping is the host tier's, with a switch of its own).
+ALLOCATOR_SITES = frozenset({"alloc", "free", "free_swa", "clear", "set_mapping", "clear_swa_mapping"})
+
+
 @dataclass(frozen=True)
 class Faults:
     names: frozenset[str] = frozenset()
@@ -33,6 +37,16 @@ class Faults:
         if name not in FAULTS:
             raise KeyError(name)
         return name in self.names
+
+    def skips_invalidation(self, site: str, mode: str = "none") -> bool:
+        """Whether a switch removes the invalidation at `site` (for forward entry: of a forward in `mode`)."""
+        if site == "forward_entry":  # the entry invalidation happens on the eager path only
+            return mode == "graph_replay" and "skip-forward-invalidation" in self
+        if site == "graph_capture":
+            return "skip-capture-invalidation" in self
+        if site == "register_mapping":
+            return "skip-register-mapping-invalidation" in self
+        return site in ALLOCATOR_SITES and "skip-alloc-invalidation" in self
 
     def translator_options(self) -> dict:
         return {

@@ -94,7 +94,7 @@ class TelemetryCollector:
         s = self._stats
         # Only the contract's (pool, state) pairs are exposed; others from the callback are ignored, since
         # gauges from unknown pools cannot be meaningfully summed into `other`.
-        reported = s.kv_tokens_fn()
+        reported = s.gauges.kv_tokens()
         kv = GaugeMetricFamily(names.KV_TOKENS, "KV pool slots by pool and state.", labels=["pool", "state"])
         for pool in names.KV_POOLS:
             for state in names.KV_STATES:
@@ -124,7 +124,7 @@ class TelemetryCollector:
             family = HistogramMetricFamily(name, doc, labels=[], unit="seconds")
             _add_histogram(family, [], hist)
             yield family
-        running, queued = s.queue_fn()
+        running, queued = s.gauges.queue_sizes()
         yield GaugeMetricFamily(names.NUM_RUNNING_REQS, "Requests in the running batch.", value=running)
         yield GaugeMetricFamily(names.NUM_QUEUE_REQS, "Requests waiting to be scheduled.", value=queued)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from itertools import product
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from telemetry import names
 from telemetry.names import fold
@@ -137,19 +137,29 @@ def _package_version() -> str:
         return "unknown"
 
 
-def _no_kv_tokens() -> dict[tuple[str, str], int]:
-    return {}
+class GaugeSource(Protocol):
+    """What the engine exposes for the gauges, read at scrape time."""
+
+    def kv_tokens(self) -> dict[tuple[str, str], int]: ...
+
+    def queue_sizes(self) -> tuple[int, int]: ...
 
 
-def _no_queue() -> tuple[int, int]:
-    return (0, 0)
+class NoGauges:
+    """Reads 0 everywhere: an engine not built yet, or a test of the counters alone."""
+
+    def kv_tokens(self) -> dict[tuple[str, str], int]:
+        return {}
+
+    def queue_sizes(self) -> tuple[int, int]:
+        return (0, 0)
 
 
 class EngineStats:
     """Everything the engine counts, in one object that the collector reads at scrape time.
 
-    Gauges are not pushed: `kv_tokens_fn() -> {(pool, state): n}` and `queue_fn() -> (running, queued)` are
-    called per scrape and may be set after construction (until then they read 0).
+    Gauges are not pushed: the `gauges` source given at construction is asked per scrape
+    (`kv_tokens() -> {(pool, state): n}`, `queue_sizes() -> (running, queued)`); without one they read 0.
     """
 
     def __init__(
@@ -159,6 +169,7 @@ class EngineStats:
         model: str = "unknown",
         backend: str = "unknown",
         version: str | None = None,
+        gauges: GaugeSource | None = None,
     ):
         self.translation = TranslationStats(policy)
         self.forward_counts: dict[str, int] = dict.fromkeys(names.FORWARD_MODE_LABELS, 0)
@@ -173,8 +184,7 @@ class EngineStats:
         self.itl = PlainHistogram(LATENCY_BUCKETS)
         self.e2e = PlainHistogram(LATENCY_BUCKETS)
         self.suppressed_counts: dict[str, int] = dict.fromkeys(names.LOG_EVENT_LABELS, 0)
-        self.kv_tokens_fn: Callable[[], dict[tuple[str, str], int]] = _no_kv_tokens
-        self.queue_fn: Callable[[], tuple[int, int]] = _no_queue
+        self.gauges: GaugeSource = gauges if gauges is not None else NoGauges()
         self.build_info = BuildInfo(
             version=version if version is not None else _package_version(),
             model=model,

@@ -7,7 +7,7 @@ import sys
 import pytest
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.layers.sampler import SamplingParams
+from runtime.core import SamplingParams
 from runtime.models.tokenizer import ByteTokenizer
 
 

@@ -10,8 +10,8 @@ from runtime.config import EngineConfig
 from runtime.context import get_forward_context
 from runtime.engine import Engine
 from runtime.executor.forward_batch import ForwardBatch
-from runtime.executor.graph_runner import WARMUP_RUNS
-from runtime.layers.sampler import SamplingParams, sample
+from runtime.core import SamplingParams
+from runtime.layers.sampler import sample
 from telemetry.events import KeyChangeEvent
 
 
@@ -80,6 +80,7 @@ class _Driver:
         self.pool = engine.pool
         self.alloc = engine.pool.allocator
         self.table = engine.runner.req_to_token
+        self.rows = engine.scheduler.free_rows  # the scheduler is idle between phases: borrow its rows
         self.window = engine.model_config.sliding_window
         self.params = SamplingParams(max_new_tokens=1 << 20)  # greedy
         self.gen = torch.Generator().manual_seed(seed)
@@ -88,7 +89,7 @@ class _Driver:
     # -- requests ---------------------------------------------------------------------------------------------
     def admit(self, prompts: list[list[int]]) -> list[_Seq]:
         """Prefill every prompt in one eager extend forward; sample each first token."""
-        seqs = [_Seq(ids=list(p), row=self.table.alloc()) for p in prompts]
+        seqs = [_Seq(ids=list(p), row=self.rows.pop(0)) for p in prompts]
         lens = [len(p) for p in prompts]
         locs = self.alloc.alloc_extend([0] * len(seqs), lens, [-1] * len(seqs))
         if locs is None:
@@ -98,9 +99,9 @@ class _Driver:
             self.table.write(s.row, 0, locs[offset:offset + n])
             s.locs = locs[offset:offset + n].tolist()
             offset += n
-        batch = ForwardBatch(False, torch.tensor([t for p in prompts for t in p]),
-                             torch.tensor([i for n in lens for i in range(n)]), locs, [s.row for s in seqs],
-                             [0] * len(seqs), lens)
+        batch = ForwardBatch(is_decode=False, input_ids=torch.tensor([t for p in prompts for t in p]),
+                             positions=torch.tensor([i for n in lens for i in range(n)]), out_cache_loc=locs,
+                             req_rows=[s.row for s in seqs], prefix_lens=[0] * len(seqs), seq_lens=lens)
         self._record(seqs, self.runner.forward(batch))
         self.release_window(seqs)
         return seqs
@@ -133,14 +134,12 @@ class _Driver:
         step writing through its own view of one step-major buffer of reserved slots."""
         per_seq = [torch.tensor(s.reserved[:steps]) for s in seqs]
         buffer = torch.stack(per_seq, dim=1).reshape(-1)  # (steps * B,) step-major
-        forward_id = self.runner.next_forward_id()
-        self.pool.invalidate_loc_cache("forward_entry")
-        with torch.no_grad():
+        with self.runner.multi_step() as step:
             for k in range(steps):
                 locs = buffer[k * len(seqs):(k + 1) * len(seqs)]  # a view at offset k * B
                 for s in seqs:
                     s.reserved.pop(0)
-                self._record(seqs, self.runner.run(self._decode_batch(seqs, locs), "eager_decode", forward_id))
+                self._record(seqs, step(self._decode_batch(seqs, locs)))
 
     def remap_after_first_sliding_layer(self, seqs: list[_Seq], register: bool) -> None:
         """Arm a one-shot hook: after the first sliding layer of the next forward, move the in-window tokens
@@ -187,7 +186,7 @@ class _Driver:
     def finish(self, seqs: list[_Seq]) -> None:
         for s in seqs:
             self.alloc.free(torch.tensor(s.locs + s.reserved))
-            self.table.free(s.row)
+            self.rows.append(s.row)
 
     # -- helpers ----------------------------------------------------------------------------------------------
     @staticmethod
@@ -195,8 +194,9 @@ class _Driver:
         prefix = [len(s.locs) for s in seqs]
         for s, loc in zip(seqs, locs.tolist()):
             s.locs.append(loc)
-        return ForwardBatch(True, torch.tensor([(s.ids + s.out)[-1] for s in seqs]), torch.tensor(prefix), locs,
-                            [s.row for s in seqs], prefix, [p + 1 for p in prefix])
+        return ForwardBatch(is_decode=True, input_ids=torch.tensor([(s.ids + s.out)[-1] for s in seqs]),
+                            positions=torch.tensor(prefix), out_cache_loc=locs, req_rows=[s.row for s in seqs],
+                            prefix_lens=prefix, seq_lens=[p + 1 for p in prefix])
 
     def _record(self, seqs: list[_Seq], logits: torch.Tensor) -> None:
         tokens = sample(logits, [self.params] * len(seqs), self.gen)
@@ -281,7 +281,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     engine.scheduler.assert_idle_clean()
 
     stats, t = engine.stats, engine.stats.translation
-    captures = len(runner.graph_runner.batch_sizes) * (WARMUP_RUNS + 1) if runner.graph_runner else 0
+    captures = runner.capture_runs
     coverage = {mode: n for mode, n in stats.forward_counts.items() if mode != "other"}
     coverage.update(graph_capture=captures, draft_steps=DRAFT_STEPS, midforward_remaps=drive.remaps,
                     hicache_offloads=stats.hicache_offloads, hicache_loadbacks=stats.hicache_loadbacks,

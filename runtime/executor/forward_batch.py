@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ForwardBatch:
     """One forward over B requests. Extend: each request adds `extend_lens[b]` tokens after a cached prefix
     of `prefix_lens[b]`; decode: each adds one. Tokens are flattened request by request (T tokens in all)."""

@@ -37,6 +37,9 @@ class PagedAllocator:
     def available_size(self) -> int:
         return len(self._free_pages) * self.page_size
 
+    def free_page_count(self) -> int:
+        return len(self._free_pages)
+
     def used_size(self) -> int:
         return self.size - self.available_size()
 
@@ -90,11 +93,15 @@ class PagedAllocator:
 
     def free(self, locs: torch.Tensor) -> None:
         """Release the pages holding `locs`. Every page must be held; nothing changes on error."""
+        self._give_back(self.check_held(locs))
+
+    def check_held(self, locs: torch.Tensor) -> list[int]:
+        """The pages of `locs`, validated: raise AllocationError (a double free) unless every one is held."""
         pages = self._pages_of(locs)
         for p in pages:
             if not self._held[p]:
                 raise AllocationError(f"double free: page {p} (slot {p * self.page_size}) is not allocated")
-        self._give_back(pages)
+        return pages
 
     def is_held(self, locs: torch.Tensor) -> torch.Tensor:
         """Bool per location: is its page currently allocated."""

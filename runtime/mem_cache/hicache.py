@@ -39,12 +39,9 @@ class HostKVCache:
         swa = self.pool.allocator.full_to_swa_index_mapping[full[swa_from:]]
         if bool((swa <= 0).any()):
             raise RuntimeError("offload: an in-window token has no SWA slot")
-        fp, sp = self.pool.full_pool, self.pool.swa_pool
-        host = HostKV(
-            num_tokens=len(locs), swa_from=swa_from,
-            full_k=[k[full].cpu() for k in fp.k_buffers], full_v=[v[full].cpu() for v in fp.v_buffers],
-            swa_k=[k[swa].cpu() for k in sp.k_buffers], swa_v=[v[swa].cpu() for v in sp.v_buffers],
-        )
+        full_k, full_v = self.pool.full_pool.copy_to_host(full)
+        swa_k, swa_v = self.pool.swa_pool.copy_to_host(swa)
+        host = HostKV(num_tokens=len(locs), swa_from=swa_from, full_k=full_k, full_v=full_v, swa_k=swa_k, swa_v=swa_v)
         self.used += host.num_tokens
         return host
 
@@ -55,11 +52,8 @@ class HostKVCache:
         if full is None:
             return None
         swa = alloc.full_to_swa_index_mapping[full[host.swa_from:]]
-        fp, sp = self.pool.full_pool, self.pool.swa_pool
-        for buf, data in zip(fp.k_buffers + fp.v_buffers, host.full_k + host.full_v):
-            buf[full] = data.to(buf.device)
-        for buf, data in zip(sp.k_buffers + sp.v_buffers, host.swa_k + host.swa_v):
-            buf[swa] = data.to(buf.device)
+        self.pool.full_pool.copy_from_host(full, host.full_k, host.full_v)
+        self.pool.swa_pool.copy_from_host(swa, host.swa_k, host.swa_v)
         # The engine's mapping is rebuilt for the new slots and registered anew: every derived cache
         # (memo entry, layerwise location) must forget the old one.
         self.pool.register_mapping(alloc.full_to_swa_index_mapping.clone())

@@ -5,8 +5,8 @@ Every token owns a full slot; while it is inside some request's sliding window i
 `-1`, so translating the location `-1` ("no previous token") yields `-1`.
 
 Every mutation of the mapping calls the registered invalidation hook with its site name, so the pool's
-translation cache can never outlive the mapping it was computed from (the `skip-alloc-invalidation` fault
-switch disables exactly this, to show that the version guard still catches it).
+translation cache can never outlive the mapping it was computed from (the pool's `skip-alloc-invalidation`
+fault switch ignores exactly these calls, to show that the version guard still catches it).
 """
 
 from __future__ import annotations
@@ -33,16 +33,14 @@ class HybridAllocator:
         self.mapping_generation = 0  # bumped when a new mapping tensor is registered
         self.last_mutation: str | None = None  # site of the latest mapping mutation, for attributing staleness
         self._invalidate_hooks: list[InvalidateHook] = []
-        self.invalidate_on_mutation = True  # False only under the skip-alloc-invalidation fault switch
 
     def add_invalidate_hook(self, hook: InvalidateHook) -> None:
         self._invalidate_hooks.append(hook)
 
     def _mutated(self, site: str) -> None:
         self.last_mutation = site
-        if self.invalidate_on_mutation or site == "register_mapping":
-            for hook in self._invalidate_hooks:
-                hook(site)
+        for hook in self._invalidate_hooks:
+            hook(site)
 
     def _empty_mapping(self) -> torch.Tensor:
         mapping = torch.zeros(self.full_rows + 1, dtype=torch.int64, device=self.device)
@@ -56,11 +54,11 @@ class HybridAllocator:
 
     def can_extend(self, prefix_lens: list[int], seq_lens: list[int]) -> bool:
         need = self.full.pages_needed_extend(prefix_lens, seq_lens)
-        return need <= len(self.full._free_pages) and need <= len(self.swa._free_pages)
+        return need <= self.full.free_page_count() and need <= self.swa.free_page_count()
 
     # ---- allocation (all or nothing: both pools are checked before either is touched) -------------------
     def alloc(self, n: int) -> torch.Tensor | None:
-        if n // self.page_size > min(len(self.full._free_pages), len(self.swa._free_pages)):
+        if n // self.page_size > min(self.full.free_page_count(), self.swa.free_page_count()):
             return None
         full_locs = self.full.alloc(n)
         swa_locs = self.swa.alloc(n)
@@ -92,7 +90,7 @@ class HybridAllocator:
         ps = self.page_size
         if swa_from % ps or not 0 <= swa_from <= n:
             raise ValueError(f"swa_from {swa_from} must be page-aligned and within 0..{n}")
-        if -(-n // ps) > len(self.full._free_pages) or -(-(n - swa_from) // ps) > len(self.swa._free_pages):
+        if -(-n // ps) > self.full.free_page_count() or -(-(n - swa_from) // ps) > self.swa.free_page_count():
             return None
         full_locs = self.full.alloc_extend([0], [n], [-1])
         swa_locs = self.swa.alloc_extend([swa_from], [n], [-1])
@@ -107,14 +105,11 @@ class HybridAllocator:
     # ---- release -----------------------------------------------------------------------------------------
     def free(self, full_locs: torch.Tensor) -> None:
         """Release tokens entirely: their SWA slots (where still mapped) and their full slots."""
-        full_pages = self.full._pages_of(full_locs)
-        for p in full_pages:
-            if not self.full._held[p]:
-                raise AllocationError(f"double free: full page {p} is not allocated")
+        self.full.check_held(full_locs)  # all or nothing: validate both sides before touching either
         swa_locs = self.full_to_swa_index_mapping[full_locs.long()]
         swa_locs = swa_locs[swa_locs > 0]
         self.swa.free(swa_locs)  # validates before touching anything
-        self.full._give_back(full_pages)
+        self.full.free(full_locs)
         self.full_to_swa_index_mapping[full_locs.long()] = 0
         self._mutated("free")
 

@@ -26,6 +26,15 @@ class KVPool:
         self.k_buffers[layer][loc] = k.to(self.dtype)
         self.v_buffers[layer][loc] = v.to(self.dtype)
 
+    def copy_to_host(self, loc: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per layer, the K and V rows at `loc` (n,) as host tensors (n, Hkv, D)."""
+        return [k[loc].cpu() for k in self.k_buffers], [v[loc].cpu() for v in self.v_buffers]
+
+    def copy_from_host(self, loc: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        """Write per-layer host rows (as `copy_to_host` returned them) at `loc`."""
+        for buf, data in zip(self.k_buffers + self.v_buffers, ks + vs):
+            buf[loc] = data.to(buf.device)
+
     def bytes_per_token(self) -> int:
         k = self.k_buffers[0] if self.k_buffers else None
         if k is None:

@@ -3,12 +3,16 @@
 Sliding layers are addressed with full-pool locations like every other layer; the pool translates them to
 SWA slots through the policy chosen at start-up (`--loc-cache`). Mapping mutations in the allocator reach
 the translator through an invalidation hook, so the cache is cleared at the mutation site itself.
+
+The model runner tells the pool which forward runs (`begin_forward`), and the forward-entry invalidation
+happens there: nothing here reads a global forward context.
 """
 
 from __future__ import annotations
 
 import torch
 
+from runtime.faults import Faults
 from runtime.mem_cache.hybrid import HybridAllocator
 from runtime.mem_cache.kv_pool import KVPool
 from runtime.mem_cache.translation import Translator
@@ -16,7 +20,8 @@ from runtime.mem_cache.translation import Translator
 
 class HybridKVPool:
     def __init__(self, allocator: HybridAllocator, layer_is_swa: list[bool], num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, translator: Translator, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, translator: Translator, device: str | torch.device = "cpu",
+                 faults: Faults = Faults()):
         self.allocator = allocator
         self.layer_is_swa = list(layer_is_swa)
         full_layers = [i for i, s in enumerate(layer_is_swa) if not s]
@@ -31,17 +36,22 @@ class HybridKVPool:
         for local, layer in enumerate(swa_layers):
             self._route[layer] = (self.swa_pool, local, True)
         self.translator = translator
-        self.skip_invalidation_sites: frozenset[str] = frozenset()  # fault switches only
+        self.faults = faults
         allocator.add_invalidate_hook(self._on_mapping_mutation)
 
+    # ---- the forward in progress -------------------------------------------------------------------------
+    def begin_forward(self, forward_id: int, mode: str) -> None:
+        """A forward (or a graph warm-up/capture run) starts: no cached translation may survive into it, so
+        the cache is invalidated here, before any layer runs, whichever branch (graph or eager) runs it."""
+        site = "graph_capture" if mode == "graph_capture" else "forward_entry"
+        if not self.faults.skips_invalidation(site, mode):
+            self.translator.invalidate(site)
+        self.translator.begin_forward(forward_id, mode)
+
+    def end_forward(self) -> None:
+        self.translator.end_forward()
+
     # ---- routing -----------------------------------------------------------------------------------------
-    def route(self, layer_id: int) -> tuple[KVPool, int, bool]:
-        return self._route[layer_id]
-
-    def swa_position(self, layer_id: int) -> int:
-        """Index of a sliding layer among the sliding layers (the layerwise policy's key)."""
-        return self._route[layer_id][1]
-
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         pool, local, _ = self._route[layer_id]
         return pool.get_kv(local)
@@ -69,7 +79,7 @@ class HybridKVPool:
         self.allocator.register_mapping(mapping)
 
     def _on_mapping_mutation(self, site: str) -> None:
-        if site not in self.skip_invalidation_sites:
+        if not self.faults.skips_invalidation(site):
             self.translator.invalidate(site)
 
     # ---- sizes -------------------------------------------------------------------------------------------
@@ -80,10 +90,12 @@ class HybridKVPool:
 
 def build_hybrid_kv_pool(*, full_size: int, swa_size: int, page_size: int, layer_is_swa: list[bool],
                          num_kv_heads: int, head_dim: int, dtype: torch.dtype, policy: str, stats, reporter,
-                         device: str | torch.device = "cpu", **translator_options) -> HybridKVPool:
-    """Allocator, translator and pool wired together. `stats` is the engine's TranslationStats."""
+                         device: str | torch.device = "cpu", faults: Faults = Faults(),
+                         **translator_options) -> HybridKVPool:
+    """Allocator, translator and pool wired together. `stats` is the engine's TranslationStats; `faults` the
+    `--inject` switches (the memo's own come in `translator_options`)."""
     from runtime.mem_cache.translation import make_translator
 
     allocator = HybridAllocator(full_size, swa_size, page_size, device)
     translator = make_translator(policy, allocator, stats, reporter, **translator_options)
-    return HybridKVPool(allocator, layer_is_swa, num_kv_heads, head_dim, dtype, translator, device)
+    return HybridKVPool(allocator, layer_is_swa, num_kv_heads, head_dim, dtype, translator, device, faults)

@@ -1,4 +1,4 @@
-"""Full→SWA location translation policies (SPEC §3, §5).
+"""Full→SWA location translation policies (docs/translation-rules.md).
 
 All four return the same int32 SWA locations; they differ in how often the gather runs and in what can go
 stale. Counting is plain integers in `TranslationStats`; key-change events go to the `EventReporter`, which
@@ -18,7 +18,6 @@ from typing import Protocol
 
 import torch
 
-from runtime import context
 from telemetry.events import KeyChangeEvent, LookupFacts, caller_stack, classify_lookup
 from telemetry.stats import TranslationStats
 
@@ -62,6 +61,15 @@ class Translator:
         self.source = source
         self.stats = stats
         self.reporter = reporter
+        # The forward in progress, as the pool was told (`begin_forward`); 0 / "none" between forwards.
+        self.forward_id = 0
+        self.mode = "none"
+
+    def begin_forward(self, forward_id: int, mode: str) -> None:
+        self.forward_id, self.mode = forward_id, mode
+
+    def end_forward(self) -> None:
+        self.forward_id, self.mode = 0, "none"
 
     def translate(self, loc: torch.Tensor, site: str, layer_pos: int = 0) -> torch.Tensor:
         return self.gather(loc)
@@ -89,14 +97,13 @@ class Translator:
     def _report(self, classification: str, site: str, entry: _Entry | None, key: tuple, cause: str | None) -> None:
         if self.reporter is None:
             return
-        ctx = context.get_forward_context()
         self.reporter.report(
             KeyChangeEvent(
                 policy=self.policy,
                 site=site,
                 classification=classification,
-                forward_id=ctx.forward_id,
-                mode=ctx.mode,
+                forward_id=self.forward_id,
+                mode=self.mode,
                 prev_site=entry.site if entry else None,
                 prev_forward_id=entry.forward_id if entry else None,
                 prev_mode=entry.mode if entry else None,
@@ -149,43 +156,42 @@ class _CachingTranslator(Translator):
         return "; ".join(parts) or "unknown"
 
     def _fill(self, loc: torch.Tensor, key: tuple, view: tuple, guard: tuple, site: str) -> torch.Tensor:
-        ctx = context.get_forward_context()
         value = self.gather(loc, checked=True)
-        self._entry = _Entry(key, view, guard, value, ctx.forward_id, ctx.mode, site)
+        self._entry = _Entry(key, view, guard, value, self.forward_id, self.mode, site)
         self._invalidated_since_fill = False
         return value
 
     def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple) -> torch.Tensor:
-        ctx = context.get_forward_context()
+        forward_id, mode = self.forward_id, self.mode
         entry = self._entry
         guard = self._guard(loc)
         # Fast path: the plain hit of rule 8 (same key, view, guard and forward).
         if (
             entry is not None
             and entry.key == key
-            and entry.forward_id == ctx.forward_id
+            and entry.forward_id == forward_id
             and entry.view == view
             and entry.guard == guard
         ):
-            return self._hit(loc, entry, site, ctx.mode)
+            return self._hit(loc, entry, site, mode)
         self.check(loc)
         facts = LookupFacts(
             has_entry=entry is not None,
             invalidated_since_fill=self._invalidated_since_fill,
-            capturing=ctx.capturing,
-            entry_before_capture_run=entry is not None and entry.forward_id != ctx.forward_id,
+            capturing=mode == "graph_capture",
+            entry_before_capture_run=entry is not None and entry.forward_id != forward_id,
             same_key=entry is not None and entry.key == key,
             same_view=entry is not None and entry.view == view,
             guard_equal=entry is not None and entry.guard == guard,
-            entry_from_earlier_forward=entry is not None and entry.forward_id != ctx.forward_id,
+            entry_from_earlier_forward=entry is not None and entry.forward_id != forward_id,
         )
         verdict = classify_lookup(facts, self.guard_enabled)
         if verdict.classification is not None:
             cause = self._cause(entry, guard) if verdict.classification == "stale_loc" else None
             self._report(verdict.classification, site, entry, key, cause)
         if verdict.hit:
-            return self._hit(loc, entry, site, ctx.mode)
-        self.stats.miss(ctx.mode, verdict.reason)
+            return self._hit(loc, entry, site, mode)
+        self.stats.miss(mode, verdict.reason)
         return self._fill(loc, key, view, guard, site)
 
     def _count_hit(self, entry: _Entry, mode: str) -> torch.Tensor:
@@ -203,8 +209,7 @@ class _CachingTranslator(Translator):
                     self._report("stale_loc", site, entry, entry.key, "verification mismatch (write the version guard cannot see)")
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.
-                    ctx = context.get_forward_context()
-                    self._entry = _Entry(entry.key, entry.view, self._guard(loc), fresh, ctx.forward_id, ctx.mode, site)
+                    self._entry = _Entry(entry.key, entry.view, self._guard(loc), fresh, self.forward_id, self.mode, site)
                     return fresh
         return self._count_hit(entry, mode)
 
@@ -246,15 +251,14 @@ class LayerwiseTranslator(_CachingTranslator):
             return self.gather(loc)
         if layer_pos == 0:
             entry = self._entry
-            ctx = context.get_forward_context()
             reason = "invalidated" if self._invalidated_since_fill else ("cold" if entry is None else "key_changed")
             self.check(loc)
-            self.stats.miss(ctx.mode, reason)
+            self.stats.miss(self.mode, reason)
             return self._fill(loc, ("layer", 0), ("layer", 0), self._guard(loc), site)
         return self._lookup(loc, site, ("layer", 0), ("layer", 0))
 
 
-POLICIES = {
+TRANSLATORS = {
     "memo": MemoTranslator,
     "layerwise": LayerwiseTranslator,
     "per_forward": PerForwardTranslator,
@@ -263,9 +267,9 @@ POLICIES = {
 
 
 def make_translator(policy: str, source: MappingSource, stats: TranslationStats, reporter=None, **options) -> Translator:
-    if policy not in POLICIES:
-        raise ValueError(f"unknown loc-cache policy {policy!r}; choose one of {', '.join(POLICIES)}")
-    cls = POLICIES[policy]
+    if policy not in TRANSLATORS:
+        raise ValueError(f"unknown loc-cache policy {policy!r}; choose one of {', '.join(TRANSLATORS)}")
+    cls = TRANSLATORS[policy]
     if cls in (OffTranslator, PerForwardTranslator):
         options = {}
     return cls(source, stats, reporter, **options)

@@ -14,7 +14,7 @@ from transformers import Gemma3TextConfig
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.layers.sampler import SamplingParams
+from runtime.core import SamplingParams
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 from runtime.models.tokenizer import ByteTokenizer

@@ -12,7 +12,6 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from runtime.context import ForwardContext, forward_context
 from runtime.mem_cache.swa_pool import build_hybrid_kv_pool
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
@@ -148,12 +147,14 @@ class HybridMachine(RuleBasedStateMachine):
         else:
             held = sorted(self.swa_of) or [-1]
             loc = torch.tensor(data.draw(st.lists(st.sampled_from(held), min_size=1, max_size=6)))
-        with forward_context(ForwardContext(self.forward_id, "eager_decode")):
-            if new_forward:
-                self.pool.invalidate_loc_cache("forward_entry")
-            for layer in range(layers):
-                out = self.pool.translate_loc_from_full_to_swa(loc, "kv_write", layer)
-                assert out.tolist() == self._ref_translate(loc.tolist())
+        if new_forward:
+            self.pool.begin_forward(self.forward_id, "eager_decode")  # invalidates at forward entry
+        else:
+            self.pool.translator.begin_forward(self.forward_id, "eager_decode")  # same forward goes on
+        for layer in range(layers):
+            out = self.pool.translate_loc_from_full_to_swa(loc, "kv_write", layer)
+            assert out.tolist() == self._ref_translate(loc.tolist())
+        self.pool.end_forward()
 
     # ---- invariants ----------------------------------------------------------------------------------------
     @invariant()

@@ -1,15 +1,24 @@
 """The translation cache's contract (docs/translation-rules.md): each hazard is detected, classified and survived."""
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 
-from runtime.context import ForwardContext, forward_context
+from runtime.faults import Faults
 
 SLIDING = 3
 
 
-def fwd(forward_id, mode="eager_extend"):
-    return forward_context(ForwardContext(forward_id=forward_id, mode=mode))
+@contextmanager
+def fwd(pool, forward_id, mode="eager_extend"):
+    """Tell the translator which forward runs, without the pool's forward-entry invalidation (the tests
+    invalidate explicitly, or leave it out on purpose)."""
+    pool.translator.begin_forward(forward_id, mode)
+    try:
+        yield
+    finally:
+        pool.translator.end_forward()
 
 
 def events(pool):
@@ -25,7 +34,7 @@ def test_memo_gathers_once_per_forward_and_hits_on_the_other_sliding_layers(make
     loc = pool.allocator.alloc(4)
     t = pool.stats.translation
     for forward_id in (1, 2):
-        with fwd(forward_id):
+        with fwd(pool, forward_id):
             pool.invalidate_loc_cache("forward_entry")
             for layer in range(SLIDING):
                 out = pool.translate_loc_from_full_to_swa(loc, "kv_write", layer)
@@ -43,7 +52,7 @@ def test_equal_length_views_at_different_offsets_never_share_an_entry(make_pool)
     buf = pool.allocator.alloc(8)
     a, b = buf[:4], buf[4:]
     assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and a.numel() == b.numel()
-    with fwd(1):
+    with fwd(pool, 1):
         assert torch.equal(pool.translate_loc_from_full_to_swa(a, "kv_write"), fresh(pool, a))
         assert torch.equal(pool.translate_loc_from_full_to_swa(b, "kv_write"), fresh(pool, b))
     assert not torch.equal(fresh(pool, a), fresh(pool, b))
@@ -55,7 +64,7 @@ def test_a_storage_pointer_key_collides_on_views_and_is_classified_view_offset(m
     pool = make_pool(key_mode="storage")
     buf = pool.allocator.alloc(8)
     a, b = buf[:4], buf[4:]
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(a, "kv_write")
         out = pool.translate_loc_from_full_to_swa(b, "kv_write")
     assert torch.equal(out, fresh(pool, b))  # recomputed, not a's translation
@@ -78,7 +87,7 @@ def test_every_mutation_point_invalidates(make_pool, policy, mutation, site):
     pool = make_pool(policy)
     loc = pool.allocator.alloc(4)
     t = pool.stats.translation
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
         before = t.invalidation_counts[site]
         mutation(pool.allocator, loc)
@@ -93,7 +102,7 @@ def test_in_place_rewrite_of_the_same_buffer_is_stale_loc_and_the_fresh_translat
     pool = make_pool()
     locs = pool.allocator.alloc(8)
     static = locs[:4].clone()  # a persistent input buffer: same pointer, same length every step
-    with fwd(1):
+    with fwd(pool, 1):
         old = pool.translate_loc_from_full_to_swa(static, "kv_write").clone()
         static.copy_(locs[4:])  # new contents, no invalidation
         out = pool.translate_loc_from_full_to_swa(static, "kv_write")
@@ -108,7 +117,7 @@ def test_with_the_guard_off_the_stale_translation_is_returned_and_still_counted(
     pool = make_pool(guard=False)
     locs = pool.allocator.alloc(8)
     static = locs[:4].clone()
-    with fwd(1):
+    with fwd(pool, 1):
         old = pool.translate_loc_from_full_to_swa(static, "kv_write").clone()
         static.copy_(locs[4:])
         out = pool.translate_loc_from_full_to_swa(static, "kv_write")
@@ -117,10 +126,9 @@ def test_with_the_guard_off_the_stale_translation_is_returned_and_still_counted(
 
 
 def test_a_mapping_mutation_that_skips_invalidation_is_caught_by_the_guard(make_pool):
-    pool = make_pool()
-    pool.allocator.invalidate_on_mutation = False  # the skip-alloc-invalidation fault
+    pool = make_pool(faults=Faults.parse(["skip-alloc-invalidation"]))
     loc = pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write")
         pool.allocator.set_full_to_swa_mapping(loc[:1], torch.tensor([16]))
         out = pool.translate_loc_from_full_to_swa(loc, "kv_write")
@@ -133,7 +141,7 @@ def test_raw_writes_invisible_to_versions_are_caught_by_sampled_verification(mak
     pool = make_pool(verify_rate=1.0)
     locs = pool.allocator.alloc(8)
     static = locs[:4].clone()
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(static, "kv_write")
         version = static._version
         static.numpy()[:] = locs[4:].numpy()  # a write through numpy: the version counter does not move
@@ -146,9 +154,9 @@ def test_raw_writes_invisible_to_versions_are_caught_by_sampled_verification(mak
 def test_capture_after_warm_up_on_the_same_static_buffer_is_capture_pollution(make_pool):
     pool = make_pool()
     static = pool.allocator.alloc(4).clone()
-    with fwd(1, "graph_capture"):  # warm-up run
+    with fwd(pool, 1, "graph_capture"):  # warm-up run
         pool.translate_loc_from_full_to_swa(static, "kv_write")
-    with fwd(2, "graph_capture"):  # capture run that forgot to invalidate first
+    with fwd(pool, 2, "graph_capture"):  # capture run that forgot to invalidate first
         out = pool.translate_loc_from_full_to_swa(static, "kv_write")
     assert torch.equal(out, fresh(pool, static))
     assert events(pool) == {("kv_write", "capture_pollution"): 1}
@@ -160,7 +168,7 @@ def test_capture_that_invalidates_first_records_the_gather_without_any_event(mak
     pool = make_pool()
     static = pool.allocator.alloc(4).clone()
     for forward_id in (1, 2):
-        with fwd(forward_id, "graph_capture"):
+        with fwd(pool, forward_id, "graph_capture"):
             pool.invalidate_loc_cache("graph_capture")
             pool.translate_loc_from_full_to_swa(static, "kv_write")
             pool.translate_loc_from_full_to_swa(static, "kv_write")  # same capture run: an ordinary hit
@@ -172,9 +180,9 @@ def test_capture_that_invalidates_first_records_the_gather_without_any_event(mak
 def test_an_entry_from_an_earlier_forward_without_invalidation_is_cross_forward(make_pool):
     pool = make_pool()
     loc = pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write")
-    with fwd(2, "eager_decode"):  # the forward-entry invalidation is missing
+    with fwd(pool, 2, "eager_decode"):  # the forward-entry invalidation is missing
         out = pool.translate_loc_from_full_to_swa(loc, "kv_write")
     assert torch.equal(out, fresh(pool, loc))
     assert events(pool) == {("kv_write", "cross_forward"): 1}
@@ -187,7 +195,7 @@ def test_the_window_buffers_one_off_translation_neither_evicts_nor_raises_events
     loc = pool.allocator.alloc(4)
     window = pool.allocator.alloc(6)
     t = pool.stats.translation
-    with fwd(1):
+    with fwd(pool, 1):
         pool.invalidate_loc_cache("forward_entry")
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
         w = pool.translate_loc_from_full_to_swa(window, "window_indices")
@@ -200,7 +208,7 @@ def test_routing_the_one_off_tensor_through_the_cache_evicts_the_forward_entry(m
     pool = make_pool(one_off_bypass=False)  # the window-buffer-pollution fault
     loc = pool.allocator.alloc(4)
     window = pool.allocator.alloc(6)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
         pool.translate_loc_from_full_to_swa(window, "window_indices")
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 1)
@@ -212,7 +220,7 @@ def test_routing_the_one_off_tensor_through_the_cache_evicts_the_forward_entry(m
 def test_policies_agree_on_values_and_differ_in_gathers(make_pool, policy, gathers):
     pool = make_pool(policy)
     loc = pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.invalidate_loc_cache("forward_entry")
         outs = [pool.translate_loc_from_full_to_swa(loc, "kv_write", layer) for layer in range(SLIDING)]
     assert all(torch.equal(o, fresh(pool, loc)) for o in outs)
@@ -223,7 +231,7 @@ def test_layerwise_cannot_see_a_different_tensor_at_a_later_layer(make_pool):
     """Why layerwise is fragile: the key is the layer position, so another tensor gets the cached value."""
     pool = make_pool("layerwise")
     a, b = pool.allocator.alloc(4), pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(a, "kv_write", 0)
         out = pool.translate_loc_from_full_to_swa(b, "kv_write", 1)
     assert torch.equal(out, fresh(pool, a))
@@ -234,11 +242,9 @@ def test_layerwise_cannot_see_a_different_tensor_at_a_later_layer(make_pool):
     (True, {("kv_write", "stale_loc"): 1}),  # the historical bug: caught by the mapping generation
 ])
 def test_layerwise_register_mapping_clears_the_cached_location(make_pool, skip_invalidation, expected_events):
-    pool = make_pool("layerwise")
-    if skip_invalidation:
-        pool.skip_invalidation_sites = frozenset({"register_mapping"})
+    pool = make_pool("layerwise", faults=Faults.parse(["skip-register-mapping-invalidation"] if skip_invalidation else []))
     loc = pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
         rebuilt = pool.allocator.full_to_swa_index_mapping.clone()
         rebuilt[loc[0]] = 16
@@ -257,7 +263,7 @@ def test_layerwise_register_mapping_clears_the_cached_location(make_pool, skip_i
 def test_bad_locations_raise_and_leave_the_cache_alone(make_pool, policy, bad, exc):
     pool = make_pool(policy)
     loc = pool.allocator.alloc(4)
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
         with pytest.raises(exc):
             pool.translate_loc_from_full_to_swa(bad, "kv_write", 0)
@@ -274,10 +280,10 @@ def test_a_verification_repair_refills_the_entry_for_this_forward(make_pool):
     pool = make_pool(verify_rate=1.0)
     locs = pool.allocator.alloc(8)
     static = locs[:4].clone()
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(static, "kv_write", 0)
     static.numpy()[:] = locs[4:].numpy()  # invisible to the version counter
-    with fwd(2):  # and the forward-entry invalidation is missing
+    with fwd(pool, 2):  # and the forward-entry invalidation is missing
         outs = [pool.translate_loc_from_full_to_swa(static, "kv_write", layer) for layer in range(SLIDING)]
     assert all(torch.equal(o, fresh(pool, locs[4:])) for o in outs)
     # the first lookup crosses forwards and its verification repairs it; the repaired entry belongs to
@@ -289,7 +295,7 @@ def test_a_verification_repair_refills_the_entry_for_this_forward(make_pool):
 def test_an_event_names_the_engine_code_that_asked_not_library_frames(make_pool):
     pool = make_pool()
     static = pool.allocator.alloc(4).clone()
-    with fwd(1):
+    with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(static, "kv_write")
         static.add_(0)  # an in-place op: version bumps, contents equal
         pool.translate_loc_from_full_to_swa(static, "kv_write")

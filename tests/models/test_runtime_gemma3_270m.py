@@ -6,7 +6,7 @@ import torch
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.layers.sampler import SamplingParams
+from runtime.core import SamplingParams
 from runtime.models.loader import build_model
 from telemetry.names import NON_BENIGN_CLASSIFICATIONS
 

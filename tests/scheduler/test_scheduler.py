@@ -6,7 +6,7 @@ import torch
 from runtime.config import EngineConfig
 from runtime.core import Req, RequestError
 from runtime.engine import Engine
-from runtime.layers.sampler import SamplingParams
+from runtime.core import SamplingParams
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 from runtime.models.tokenizer import ByteTokenizer
@@ -84,10 +84,10 @@ def test_abort_mid_generation_frees_every_slot():
     for r in reqs:
         e.scheduler.add(r)
     for _ in range(6):
-        e.scheduler.step()
+        e.step()
     assert e.scheduler.abort(reqs[1].rid) and reqs[1].status == "aborted"
     assert not e.scheduler.abort(reqs[1].rid)  # twice: no-op
-    while e.scheduler.step():
+    while e.step():
         pass
     assert [r.status for r in reqs] == ["finished", "aborted", "finished"]
     assert e.stats.request_counts == {"finished": 2, "aborted": 1, "rejected": 0, "other": 0}

@@ -19,9 +19,28 @@ def _reset_structlog():
     clear_contextvars()
 
 
+class FixedGauges:
+    """A gauge source whose readings a test sets, as an engine's pools and queues would change."""
+
+    def __init__(self):
+        self.kv: dict[tuple[str, str], int] = {}
+        self.queue = (0, 0)
+
+    def kv_tokens(self):
+        return self.kv
+
+    def queue_sizes(self):
+        return self.queue
+
+
 @pytest.fixture
-def stats():
-    return EngineStats("memo", model="tiny-random", backend="torch", version="0.1.0-test")
+def gauges():
+    return FixedGauges()
+
+
+@pytest.fixture
+def stats(gauges):
+    return EngineStats("memo", model="tiny-random", backend="torch", version="0.1.0-test", gauges=gauges)
 
 
 @pytest.fixture

@@ -114,7 +114,7 @@ def test_process_collectors_only_when_asked(stats):
     assert "python_info" in types(make_registry(stats, process_collectors=True))
 
 
-def test_exact_values_after_a_scripted_run(stats, registry):
+def test_exact_values_after_a_scripted_run(stats, registry, gauges):
     t = stats.translation
     for path in ("eager_decode", "eager_decode", "eager_decode", "graph_replay", "bogus_path", "bogus_path"):
         t.hit(path)
@@ -144,8 +144,8 @@ def test_exact_values_after_a_scripted_run(stats, registry):
     stats.add_hicache_offloads()
     stats.add_hicache_loadbacks(2)
     stats.log_suppressed(names.LOC_KEY_CHANGE_EVENT)
-    stats.kv_tokens_fn = lambda: {("full", "used"): 30, ("swa", "available"): 7, ("mystery", "used"): 99}
-    stats.queue_fn = lambda: (3, 8)
+    gauges.kv = {("full", "used"): 30, ("swa", "available"): 7, ("mystery", "used"): 99}
+    gauges.queue = (3, 8)
 
     s = scrape(registry)
 

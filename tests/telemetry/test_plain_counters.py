@@ -40,7 +40,7 @@ def test_engine_stats_folds_modes_statuses_and_events():
     assert s.request_counts["other"] == 1
     assert s.suppressed_counts == {"loc_key_change": 0, "other": 1}
     assert s.build_info.policy == "off" and s.translation.policy == "off"
-    assert s.kv_tokens_fn() == {} and s.queue_fn() == (0, 0)
+    assert s.gauges.kv_tokens() == {} and s.gauges.queue_sizes() == (0, 0)
 
 
 def test_histogram_buckets_are_le_and_cumulative():
