@@ -20,7 +20,7 @@ def parse_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
-    from runtime.layers.sampler import SamplingParams
+    from runtime.core import SamplingParams
     from telemetry.logging import configure_logging
 
     configure_logging(args.log_format, args.log_level)
