@@ -69,7 +69,9 @@ TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", OTHER)
 FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay")
 KV_POOLS = ("full", "swa")
 KV_STATES = ("used", "available", "total")
-REQUEST_STATUSES = ("finished", "aborted", "rejected")
+# finished; aborted (by the client, or cut by shutdown); rejected (invalid, at admission); refused (overload:
+# the waiting queue was full, never admitted); error (the engine failed the request).
+REQUEST_STATUSES = ("finished", "aborted", "rejected", "refused", "error")
 LOG_EVENT_NAMES = ("loc_key_change", OTHER)
 
 

@@ -90,5 +90,6 @@ def test_abort_mid_generation_frees_every_slot():
     while e.step():
         pass
     assert [r.status for r in reqs] == ["finished", "aborted", "finished"]
-    assert e.stats.request_counts == {"finished": 2, "aborted": 1, "rejected": 0, "other": 0}
+    assert e.stats.request_counts == {"finished": 2, "aborted": 1, "rejected": 0, "refused": 0, "error": 0,
+                                      "other": 0}
     e.scheduler.assert_idle_clean()

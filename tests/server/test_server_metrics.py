@@ -65,6 +65,8 @@ def test_metrics_count_exactly_what_was_sent(fresh):
         ("swa_runtime_requests_total", (("status", "finished"),)): 5,
         ("swa_runtime_requests_total", (("status", "rejected"),)): 1,
         ("swa_runtime_requests_total", (("status", "aborted"),)): 0,
+        ("swa_runtime_requests_total", (("status", "refused"),)): 0,
+        ("swa_runtime_requests_total", (("status", "error"),)): 0,
         ("swa_runtime_requests_total", (("status", "other"),)): 0,
         ("swa_runtime_prompt_tokens_total", ()): sum(prompts),
         ("swa_runtime_generation_tokens_total", ()): sum(generated),

@@ -200,6 +200,8 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
         (("status", "finished"),): 2.0,
         (("status", "aborted"),): 0.0,
         (("status", "rejected"),): 1.0,
+        (("status", "refused"),): 0.0,
+        (("status", "error"),): 0.0,
         (("status", "other"),): 0.0,
     }
     assert s[names.PROMPT_TOKENS] == {(): 17.0}
