@@ -9,6 +9,7 @@ import sys
 from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
 from runtime.options import add_engine_args, engine_config
+from runtime.server.options import add_server_args
 
 
 def parse_ids(text: str) -> list[int]:
@@ -102,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                        help="on SIGTERM/SIGINT, let running requests finish this long, then abort them")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     diag = sub.add_parser("diagnose", help="run every forward mode and policy, report translation-cache events "

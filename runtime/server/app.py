@@ -2,9 +2,23 @@
 
 Handlers never touch the scheduler: they submit to the `EngineLoop` and read the request's stream. A client
 that disconnects (streaming or not) aborts its request, which frees its KV slots. Every error is answered
-as `{"error": {"message", "type", "code"}}`: 400 malformed JSON or a request the engine can never serve,
-422 a body that breaks the schema, 404 an unknown model or route, 503 while draining or after the engine
-thread stopped, 500 an engine failure.
+as `{"error": {"message", "type", "code"}}`:
+
+| status | when |
+|---|---|
+| 400 | malformed JSON (also too deep, huge integers, invalid Unicode) or a request the engine can never serve |
+| 403 | a Host or Origin this server does not answer (`site_guard.py`) |
+| 404 | an unknown model or route |
+| 408 | headers or body too slow (`connections.py`, `body.py`) |
+| 413 | a body over `--max-request-bytes` |
+| 415 | a POST without `Content-Type: application/json` |
+| 422 | a body that breaks the schema |
+| 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
+| 500 | the engine failed the request |
+| 503 | draining, the engine thread stopped, the request was cut by shutdown, or too many connections |
+
+Checks run cheapest first, so that a hostile request costs little: site, content type and size before the
+body is read, the queue before tokenizing, the prompt's length before the engine sees it.
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -21,19 +36,32 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
 from runtime.server import protocol
-from runtime.server.engine_loop import EngineLoop, EngineUnavailable, RequestStream
+from runtime.server.body import read_body, require_json
+from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
+from runtime.server.options import ServerOptions
 from runtime.server.protocol import APIError
+from runtime.server.site_guard import SiteGuard, SitePolicy
 from telemetry.collector import make_registry
 
+# No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
+# pieces are 31: runs of newlines, spaces or tabs; the byte tokenizer's is 1), so a text longer than this
+# per context token cannot fit: it is rejected before the tokenizer spends time on it.
+MAX_CHARS_PER_TOKEN = 64
+OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off the event loop
+RETRY_AFTER_S = "1"
 
-def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: float = 30.0) -> FastAPI:
+
+def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     """The app serving `engine_loop.engine` as `model_name`. Its lifespan starts the engine thread (unless
     already started) and drains it on shutdown."""
+    opts = options if options is not None else ServerOptions()
     engine = engine_loop.engine
     tokenizer = engine.tokenizer
+    context_length = engine.context_length
     registry = make_registry(engine.stats, process_collectors=True)
     created = int(time.time())
 
@@ -42,10 +70,16 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
         if not engine_loop.started:
             engine_loop.start()
         yield
-        await asyncio.to_thread(engine_loop.stop, shutdown_timeout_s)
+        await asyncio.to_thread(engine_loop.stop, opts.shutdown_timeout_s)
 
-    app = FastAPI(title="swa-runtime", lifespan=lifespan)
+    docs = opts.enable_api_docs
+    app = FastAPI(title="swa-runtime", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop = engine_loop
+    if opts.allowed_origins:  # answer the CORS preflights of the origins allowed (the guard refuses others)
+        app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Content-Type", "Authorization"])
+    app.add_middleware(SiteGuard, policy=SitePolicy(opts.host, opts.allowed_hosts, opts.allowed_origins))
 
     # ---- errors ------------------------------------------------------------------------------------------
     def error(status: int, message: str, type_: str, headers: dict | None = None) -> JSONResponse:
@@ -53,11 +87,15 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error(exc.status, exc.message, exc.type)
+        return error(exc.status, exc.message, exc.type, exc.headers)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, exc: Overloaded) -> JSONResponse:
+        return error(429, str(exc), "rate_limit_error", headers={"Retry-After": RETRY_AFTER_S})
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
@@ -77,13 +115,34 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return error(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error")
+        return error(500, f"internal error: {type(exc).__name__}", "internal_error")
 
     # ---- helpers -----------------------------------------------------------------------------------------
-    def encode(text: str) -> list[int]:
-        if not text:
-            raise RequestError("empty prompt: give a non-empty `text` (or `input_ids`)")
-        return tokenizer.encode(text)
+    async def parse(request: Request, model: type) -> Any:
+        """The validated body; 415, 413, 408, 400 or 422 otherwise (cheapest checks first)."""
+        require_json(request)
+        raw = await read_body(request, opts.max_request_bytes, opts.body_timeout_s)
+        if len(raw) > OFF_LOOP_BYTES:
+            return await anyio.to_thread.run_sync(_parse_validate, model, raw)
+        return _parse_validate(model, raw)
+
+    async def prompt_of(prompt: str | list[int], max_new_tokens: int) -> list[int]:
+        """Token ids of a text or id-list prompt, refused early (counted `rejected`) when it cannot fit."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("empty prompt: give a non-empty `text` (or `input_ids`)")
+            if len(prompt) > MAX_CHARS_PER_TOKEN * context_length:
+                raise engine_loop.reject(
+                    f"prompt text of {len(prompt)} characters cannot fit the context length of {context_length} "
+                    f"tokens (at most {MAX_CHARS_PER_TOKEN * context_length} characters)")
+            ids = (await anyio.to_thread.run_sync(tokenizer.encode, prompt) if len(prompt) > OFF_LOOP_BYTES
+                   else tokenizer.encode(prompt))
+        else:
+            ids = prompt
+        if len(ids) + max_new_tokens > context_length:
+            raise engine_loop.reject(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                                     f"the context length of {context_length} tokens")
+        return ids
 
     async def collect(stream: RequestStream, request: Request) -> RequestStream:
         """The whole output; aborts the request if the client disconnects first."""
@@ -91,16 +150,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
             result = await _until_disconnect(stream.collect(), request)
         if result is None:  # client gone; nobody reads this response
             return stream
-        if stream.finish_reason == "error":
-            raise APIError(500, stream.message or "engine error", "internal_error")
+        failure = _failure(stream.finish_reason, stream.message)
+        if failure is not None:
+            raise APIError(*failure)
         return stream
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        body = protocol.validate(protocol.GenerateRequest, protocol.parse_json(await request.body()))
-        prompt_ids = body.input_ids if body.input_ids is not None else encode(body.text)
-        stream = await engine_loop.submit(prompt_ids, body.sampling_params.to_params())
+        body = await parse(request, protocol.GenerateRequest)
+        params = body.sampling_params.to_params()
+        engine_loop.check_admission()
+        prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
+                                     params.max_new_tokens)
+        stream = await engine_loop.submit(prompt_ids, params)
         if body.stream:
             return SSEResponse(_generate_events(stream, tokenizer), on_close=stream.abort)
         await collect(stream, request)
@@ -109,12 +172,14 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = protocol.validate(protocol.CompletionRequest, protocol.parse_json(await request.body()))
+        body = await parse(request, protocol.CompletionRequest)
         if body.model is not None and body.model != model_name:
             raise APIError(404, f"model {body.model!r} not found; this server serves {model_name!r}",
                            "not_found_error")
-        prompt_ids = body.prompt if isinstance(body.prompt, list) else encode(body.prompt)
-        stream = await engine_loop.submit(prompt_ids, body.to_params())
+        params = body.to_params()
+        engine_loop.check_admission()
+        prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
+        stream = await engine_loop.submit(prompt_ids, params)
         now = int(time.time())
         if body.stream:
             return SSEResponse(_completion_events(stream, tokenizer, model_name, now), on_close=stream.abort)
@@ -125,7 +190,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return protocol.models_body(model_name, created, engine.runner.context_length)
+        return protocol.models_body(model_name, created, context_length)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -140,6 +205,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, shutdown_timeout_s: 
         return error(503, why, "service_unavailable")
 
     return app
+
+
+def _parse_validate(model: type, raw: bytes) -> Any:
+    return protocol.validate(model, protocol.parse_json(raw))
+
+
+def _failure(finish_reason: str | None, message: str | None) -> tuple[int, str, str] | None:
+    """(status, message, type) of a request the server ended: an engine error, or a shutdown abort (an
+    abort with a message; a client's own abort has none, and nobody is left to read it)."""
+    if finish_reason == "error":
+        return 500, message or "engine error", "internal_error"
+    if finish_reason == "abort" and message:
+        return 503, message, "service_unavailable"
+    return None
 
 
 # ---- streaming -------------------------------------------------------------------------------------------
@@ -197,14 +276,18 @@ class TextDeltas:
 
 
 async def _sse_events(stream: RequestStream, tokenizer, body: Callable[[str, Any], dict]) -> AsyncIterator[bytes]:
-    """SSE chunks of one request's stream; `body(text_delta, event)` shapes a chunk for its endpoint."""
+    """SSE chunks of one request's stream; `body(text_delta, event)` shapes a chunk for its endpoint. A
+    request the server ended (engine error, shutdown) sends its last tokens, then an error event."""
     text = TextDeltas(tokenizer)
     async with stream:
         async for ev in stream:
-            if ev.finish_reason == "error":
-                yield protocol.sse(protocol.error_body(500, ev.message or "engine error", "internal_error"))
-                break
-            yield protocol.sse(body(text.push(ev.token_ids, final=ev.finish_reason is not None), ev))
+            failure = _failure(ev.finish_reason, ev.message)
+            if failure is None:
+                yield protocol.sse(body(text.push(ev.token_ids, final=ev.finish_reason is not None), ev))
+                continue
+            if ev.token_ids:  # the error event that follows ends the stream, not a finish reason
+                yield protocol.sse(body(text.push(ev.token_ids, final=True), replace(ev, finish_reason=None)))
+            yield protocol.sse(protocol.error_body(*failure))
     yield protocol.SSE_DONE
 
 

@@ -6,12 +6,18 @@ feed with `loop.call_soon_threadsafe`. The thread sleeps on an Event while there
 
 Contracts:
 - `submit()` returns once the scheduler accepted the request; input it can never serve raises
-  `RequestError` (a 4xx), a draining or dead engine raises `EngineUnavailable` (a 503).
+  `RequestError` (a 4xx, counted `rejected`), a full waiting queue raises `Overloaded` (a 429, counted
+  `refused`), a draining or dead engine raises `EngineUnavailable` (a 503).
 - Every admitted request ends with exactly one final event: finish reason `length`, `stop`, `abort` or
-  `error`, and its slots are freed (the scheduler's abort frees them, and counts `aborted`).
-- An exception in `step()` is logged; the requests it may have touched (the running batch) fail with
-  reason `error`; the thread keeps serving.
-- Shutdown: stop admitting, let requests finish until a deadline, abort the rest, then the thread exits.
+  `error`, and its slots are freed (the scheduler's abort frees them and counts the status we give it).
+- An exception in `step()` is logged (rate-limited, without local variables or request contents); the
+  requests it may have touched (the running batch) end with reason and status `error`; the thread keeps
+  serving.
+- Shutdown: stop admitting, let requests finish until a deadline, abort the rest (status `aborted`, with a
+  message that tells the client why), then the thread exits.
+- Request contents (prompt and output token ids) reach the logs only with `log_requests=True`.
+- Only this thread changes `engine.stats`: counts decided on the event loop (refused, rejected early) are
+  posted here, so two threads never increment the same counter.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -27,16 +34,21 @@ from typing import Any
 
 import structlog
 
-from runtime.core import Req, RequestError
-from runtime.layers.sampler import SamplingParams
+from runtime.core import Req, RequestError, SamplingParams
+from telemetry.ratelimit import RateLimiter
 
 log = structlog.get_logger("swa_runtime.server")
 
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
+STEP_FAILED_EVENT = "engine_step_failed"
 
 
 class EngineUnavailable(RuntimeError):
     """The engine is draining for shutdown or its thread has stopped: answer 503."""
+
+
+class Overloaded(RuntimeError):
+    """Too many requests wait for a place in the running batch: answer 429 and ask to retry later."""
 
 
 @dataclass(frozen=True)
@@ -108,9 +120,18 @@ class RequestStream:
 
 
 class EngineLoop:
-    def __init__(self, engine):
+    def __init__(self, engine, *, max_queued_requests: int = 256, log_requests: bool = False,
+                 failure_log_interval_s: float = 60.0, logger: Any = None):
+        """`max_queued_requests`: how many requests may wait beyond the running batch's free places before
+        `submit()` refuses more. `failure_log_interval_s`: at most one step-failure record per interval
+        (repeats are counted as suppressed). `logger`: a structlog-like logger (default: this module's)."""
         self.engine = engine
+        self._log = logger if logger is not None else log
         self.scheduler = engine.scheduler
+        self.max_queued_requests = max_queued_requests
+        self.log_requests = log_requests
+        self._max_running = engine.cfg.max_running_requests
+        self._pending_adds = 0  # posted, not yet handed to the scheduler (under _lock)
         self._inbox: deque[tuple] = deque()
         self._wake = threading.Event()
         self._lock = threading.Lock()  # orders posting against the thread's final close
@@ -122,6 +143,8 @@ class EngineLoop:
         self._live: dict[str, Req] = {}  # admitted, not yet finished
         self._notes: dict[str, _Final] = {}  # how a request we end ourselves should be reported
         self._step_failures = 0
+        self._failure_limiter = RateLimiter(interval_s=failure_log_interval_s)
+        self._failures_suppressed = 0
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -157,15 +180,43 @@ class EngineLoop:
         if self._thread is not None:
             self._thread.join(timeout_s + 30.0)
             if self._thread.is_alive():
-                log.error("engine_thread_did_not_stop", waited_s=timeout_s + 30.0)
+                self._log.error("engine_thread_did_not_stop", waited_s=timeout_s + 30.0)
 
     # ---- event-loop side ---------------------------------------------------------------------------------
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+    def check_admission(self) -> None:
+        """Raise what `submit()` would raise before looking at the request: EngineUnavailable or Overloaded
+        (counted `refused`). Cheap; call it before expensive work such as tokenizing."""
         if not self.alive:
             raise EngineUnavailable("the engine thread is not running")
         if not self._accepting:
             raise EngineUnavailable("the server is shutting down and accepts no new requests")
+        if self.backlog() >= self.max_queued_requests:
+            self.count("refused")
+            raise Overloaded(f"the server is busy: {self.max_queued_requests} requests are already waiting "
+                             "(--max-queued-requests); retry later")
+
+    def backlog(self) -> int:
+        """Requests that wait for a place in the running batch, counting those still in the inbox (read
+        without the engine thread's cooperation: exact up to requests it is moving at this instant)."""
+        running, waiting = self.scheduler.num_running(), self.scheduler.num_waiting()
+        return max(0, self._pending_adds + waiting + running - self._max_running)
+
+    def count(self, status: str) -> None:
+        """Count a request that ended before reaching the scheduler (on the engine thread, see above)."""
+        stats = self.engine.stats
+        try:
+            self._post(("call", lambda: stats.record_request(status), concurrent.futures.Future()))
+        except EngineUnavailable:
+            pass  # the thread has ended; so has counting
+
+    def reject(self, message: str) -> RequestError:
+        """A request refused before admission for what the scheduler would also refuse: counted `rejected`."""
+        self.count("rejected")
+        return RequestError(message)
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+        self.check_admission()
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -178,7 +229,7 @@ class EngineLoop:
         req = Req(list(prompt_ids), params, on_token=lambda r, t: push(t),
                   on_finish=lambda r: push(self._final_of(r)))
         admitted: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("add", req, admitted))
+        self._post(("add", req, admitted), adding=True)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
@@ -198,11 +249,13 @@ class EngineLoop:
         self._post(("call", fn, fut))
         return fut
 
-    def _post(self, item: tuple) -> None:
+    def _post(self, item: tuple, adding: bool = False) -> None:
         with self._lock:
             if self._closed or self._thread is None:
                 raise EngineUnavailable("the engine thread is not running")
             self._inbox.append(item)
+            if adding:
+                self._pending_adds += 1
         self._wake.set()
 
     # ---- engine thread -----------------------------------------------------------------------------------
@@ -215,15 +268,15 @@ class EngineLoop:
                     if not self.scheduler.has_work():
                         break
                     if time.monotonic() >= self._deadline:
-                        self._end_all(_Final("abort", SHUTDOWN_MESSAGE))
+                        self._end_all(_Final("abort", SHUTDOWN_MESSAGE), "aborted")
                         break
                 if self.scheduler.has_work():
                     if not self._step():
                         self._wake.wait(0.01)  # nothing could run this time; do not spin
                 else:
                     self._wake.wait()
-        except BaseException:
-            log.exception("engine_thread_crashed")
+        except BaseException as exc:
+            self._log.error("engine_thread_crashed", error=_describe(exc), where=_where(exc))
             raise
         finally:
             self._close()
@@ -234,6 +287,8 @@ class EngineLoop:
             kind = item[0]
             if kind == "add":
                 self._add(item[1], item[2])
+                with self._lock:
+                    self._pending_adds -= 1
             elif kind == "abort":
                 self._abort(item[1])
             else:
@@ -250,48 +305,64 @@ class EngineLoop:
             admitted.set_exception(exc)
             return
         except Exception as exc:  # noqa: BLE001 - a bug in validation must not kill the thread
-            log.exception("engine_add_failed", rid=req.rid)
+            self._log.error("engine_add_failed", rid=req.rid, error=_describe(exc), where=_where(exc))
             admitted.set_exception(exc)
             return
         self._live[req.rid] = req
+        if self.log_requests:
+            self._log.info("request_admitted", rid=req.rid, prompt_ids=req.prompt_ids, params=vars(req.params))
         admitted.set_result(None)
 
     def _abort(self, rid: str) -> None:
         try:
             self.scheduler.abort(rid)
-        except Exception:  # noqa: BLE001
-            log.exception("engine_abort_failed", rid=rid)
+        except Exception as exc:  # noqa: BLE001
+            self._log.error("engine_abort_failed", rid=rid, error=_describe(exc), where=_where(exc))
 
     def _step(self) -> bool:
         try:
-            progressed = self.scheduler.step()
+            progressed = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - log, fail what it touched, keep serving
             self._step_failures += 1
-            log.exception("engine_step_failed", running=self.scheduler.num_running(),
-                          waiting=self.scheduler.num_waiting(), consecutive=self._step_failures)
-            final = _Final("error", f"internal error in the engine step: {type(exc).__name__}: {exc}")
             running = [r for r in self._live.values() if r.status == "running"]
+            self._log_step_failure(exc, running)
+            final = _Final("error", f"internal error in the engine step: {_describe(exc)}")
             # A second failure in a row with nothing running means admission itself fails: end everything.
             if running and self._step_failures == 1:
-                self._end(running, final)
+                self._end(running, final, "error")
             else:
-                self._end_all(final)
+                self._end_all(final, "error")
             return True
         self._step_failures = 0
         return progressed
 
-    def _end_all(self, final: _Final) -> None:
-        self._end(list(self._live.values()), final)
+    def _log_step_failure(self, exc: Exception, running: list[Req]) -> None:
+        if not self._failure_limiter.allow(STEP_FAILED_EVENT):
+            self._failures_suppressed += 1
+            self.engine.stats.log_suppressed(STEP_FAILED_EVENT)
+            return
+        fields = {"error": _describe(exc), "where": _where(exc), "running": len(running),
+                  "waiting": self.scheduler.num_waiting(), "consecutive": self._step_failures,
+                  "suppressed_since_last": self._failures_suppressed}
+        if self.log_requests:
+            fields["requests"] = [{"rid": r.rid, "prompt_ids": r.prompt_ids, "output_ids": r.output_ids}
+                                  for r in running]
+        self._failures_suppressed = 0
+        self._log.error(STEP_FAILED_EVENT, **fields)
 
-    def _end(self, reqs: list[Req], final: _Final) -> None:
+    def _end_all(self, final: _Final, status: str) -> None:
+        self._end(list(self._live.values()), final, status)
+
+    def _end(self, reqs: list[Req], final: _Final, status: str) -> None:
         for r in reqs:
             self._notes[r.rid] = final
             try:
-                self.scheduler.abort(r.rid)  # frees the slots and calls on_finish, which reads the note
-            except Exception:  # noqa: BLE001 - the scheduler is in a bad state; still answer the client
-                log.exception("engine_abort_failed", rid=r.rid)
+                # frees the slots, counts `status` and calls on_finish, which reads the note
+                self.scheduler.abort(r.rid, status=status, reason=final.reason, message=final.message)
+            except Exception as exc:  # noqa: BLE001 - the scheduler is in a bad state; still answer the client
+                self._log.error("engine_abort_failed", rid=r.rid, error=_describe(exc), where=_where(exc))
             if r.rid in self._live:  # the scheduler did not call on_finish: do it ourselves
-                r.status, r.finish_reason = "aborted", final.reason
+                r.status, r.finish_reason = status, final.reason
                 if r.on_finish is not None:
                     r.on_finish(r)
             self._notes.pop(r.rid, None)
@@ -300,7 +371,11 @@ class EngineLoop:
         """Called from on_finish on the engine thread: forget the request and say how it ended."""
         self._live.pop(r.rid, None)
         note = self._notes.pop(r.rid, None)
-        return note if note is not None else _Final(r.finish_reason or "abort", r.error)
+        final = note if note is not None else _Final(r.finish_reason or "abort", r.error)
+        if self.log_requests:
+            self._log.info("request_finished", rid=r.rid, status=r.status, finish_reason=final.reason,
+                     output_ids=r.output_ids)
+        return final
 
     def _close(self) -> None:
         """Refuse further posts; answer what is still in the inbox; end what is still live."""
@@ -314,6 +389,18 @@ class EngineLoop:
                 item[-1].set_exception(EngineUnavailable("the engine thread stopped"))
         if self._live:
             try:
-                self._end_all(_Final("abort", SHUTDOWN_MESSAGE))
-            except Exception:  # noqa: BLE001
-                log.exception("engine_close_failed")
+                self._end_all(_Final("abort", SHUTDOWN_MESSAGE), "aborted")
+            except Exception as exc:  # noqa: BLE001
+                self._log.error("engine_close_failed", error=_describe(exc), where=_where(exc))
+
+
+def _describe(exc: BaseException, limit: int = 200) -> str:
+    """`Type: message`, cut short: an exception's text can quote data, and a log line should stay a line."""
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _where(exc: BaseException, frames: int = 6) -> str:
+    """The innermost frames as `file.py:line function > ...` (no source lines, no local variables)."""
+    summary = traceback.extract_tb(exc.__traceback__)[-frames:]
+    return " > ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in summary)

@@ -1,8 +1,9 @@
 """`swa-runtime serve`: load the engine, serve it with uvicorn, drain on SIGTERM/SIGINT.
 
 On the first SIGTERM or SIGINT the engine stops admitting (new requests get 503), running requests may
-finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`), uvicorn closes its
-connections, and the process exits with status 0. A second SIGINT forces uvicorn to quit at once.
+finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503
+or, streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
+second SIGINT forces uvicorn to quit at once. Limits and site checks: `runtime/server/options.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import uvicorn
 
 from runtime.options import engine_config
 from runtime.server.engine_loop import EngineLoop
+from runtime.server.options import ServerOptions
 
 
 class _DrainingServer(uvicorn.Server):
@@ -39,17 +41,18 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
     from runtime.models.registry import resolve_model
     from runtime.server.app import create_app
+    from runtime.server.connections import uvicorn_config
     from telemetry.logging import configure_logging
 
     configure_logging(args.log_format, args.log_level)
     cfg = engine_config(args)
+    opts = ServerOptions.from_args(args)
     model_name = resolve_model(cfg.model).name
     engine = Engine(cfg, progress=True)
-    engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, model_name=model_name, shutdown_timeout_s=args.shutdown_timeout)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="info", access_log=args.access_log,
-                            lifespan="on", timeout_graceful_shutdown=args.shutdown_timeout + 5)
-    server = _DrainingServer(config, engine_loop, args.shutdown_timeout)
+    engine_loop = EngineLoop(engine, max_queued_requests=opts.max_queued_requests, log_requests=opts.log_requests)
+    app = create_app(engine_loop, model_name=model_name, options=opts)
+    config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
+    server = _DrainingServer(config, engine_loop, opts.shutdown_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     print(f"swa-runtime: {model_name} loaded; starting the server on http://{args.host}:{args.port} "

@@ -3,20 +3,28 @@
 Bodies are validated in strict mode on the parsed JSON: `"16"` or `16.5` is not a token count and `1` is
 not a boolean. Unknown fields are refused rather than silently ignored, so that a misspelt or unsupported
 option (`stop`, `logprobs`, ...) gets an error naming it instead of a completion that ignored it.
+
+Before the schema sees a body, `parse_json` refuses what JSON parsing alone would let through or crash on:
+non-UTF-8 bytes, `NaN`/`Infinity`, integers over Python's digit limit, nesting deeper than
+`MAX_JSON_DEPTH`, and strings with lone surrogates (valid JSON escapes, but not text). Each is a 400 that
+says which.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from runtime.layers.sampler import SamplingParams
+from runtime.core import SamplingParams
 
 # Above every Gemma 3 context (32k for 270M, 128k for the larger ones); the engine's context length is the
 # real limit and is checked at admission with a message that names it.
 MAX_NEW_TOKENS_CAP = 131072
+# Request bodies are two levels deep (`{"sampling_params": {...}}`); far deeper is an attack on a parser.
+MAX_JSON_DEPTH = 32
 
 
 class _Strict(BaseModel):
@@ -82,11 +90,12 @@ class CompletionRequest(_Strict):
 
 
 class APIError(Exception):
-    """An error answered as `{"error": {"message", "type", "code"}}` with this HTTP status."""
+    """An error answered as `{"error": {"message", "type", "code"}}` with this HTTP status (and headers)."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error"):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.type = status, message, type_
+        self.status, self.message, self.type, self.headers = status, message, type_, headers
 
 
 def error_body(status: int, message: str, type_: str) -> dict:
@@ -94,13 +103,54 @@ def error_body(status: int, message: str, type_: str) -> dict:
 
 
 def parse_json(raw: bytes) -> Any:
-    """The body as JSON whatever its content type (`curl -d` sends form-encoded headers)."""
+    """The body as JSON, or a 400 naming what is malformed (see the module docstring)."""
     try:
-        return json.loads(raw)
+        data = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError:
-        raise APIError(400, "malformed JSON body: not valid UTF-8") from None
+        raise _malformed("not valid UTF-8") from None
     except json.JSONDecodeError as exc:
-        raise APIError(400, f"malformed JSON body: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise _malformed(f"{exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except RecursionError:
+        raise _malformed(f"nested deeper than {MAX_JSON_DEPTH} levels") from None
+    except ValueError as exc:  # the integer digit limit, or a constant refused by _no_constant
+        if "integer string conversion" in str(exc):
+            raise _malformed(f"an integer has more than {sys.get_int_max_str_digits()} digits") from None
+        raise _malformed(str(exc)) from None
+    _check_tree(data)
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _malformed(why: str) -> APIError:
+    return APIError(400, f"malformed JSON body: {why}")
+
+
+def _check_tree(data: Any) -> None:
+    """Depth and Unicode checks, without recursion (the tree may be as deep as the parser allowed)."""
+    stack = [(data, 0, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if isinstance(node, str):
+            _check_text(node, where or "body")
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise _malformed(f"nested deeper than {MAX_JSON_DEPTH} levels")
+        for key, value in (node.items() if isinstance(node, dict) else enumerate(node)):
+            if isinstance(key, str):
+                _check_text(key, f"a key in {where or 'body'}")
+            if isinstance(value, (str, list, dict)):
+                stack.append((value, depth + 1, f"{where}.{key}" if where else str(key)))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(400, f"invalid Unicode in {where}: a lone surrogate ({ascii(text[exc.start])}) at "
+                            f"character {exc.start}; strings must be valid UTF-8 text") from None
 
 
 def validate(model: type[_Strict], data: Any) -> Any:
@@ -118,12 +168,17 @@ def describe_validation_error(exc: ValidationError) -> str:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "model_type":
             msg = "expected a JSON object"
-        elif err["type"] not in ("missing", "value_error") and "input" in err:
-            shown = json.dumps(err["input"], default=str)
-            if len(shown) <= 40:
-                msg += f" (got {shown})"
+        elif err["type"] not in ("missing", "value_error") and _short_scalar(err.get("input")):
+            msg += f" (got {json.dumps(err['input'])})"
         parts.append(f"{where}: {msg}")
     return "; ".join(dict.fromkeys(parts))
+
+
+def _short_scalar(value: Any) -> bool:
+    """Worth echoing in a message: a number or a short string (never a whole list or a long text)."""
+    if isinstance(value, str):
+        return len(value) <= 38
+    return isinstance(value, (int, float)) and len(repr(value)) <= 40
 
 
 def _is_union_tag(part: Any) -> bool:

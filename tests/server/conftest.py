@@ -18,7 +18,9 @@ from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 from runtime.models.tokenizer import ByteTokenizer
 from runtime.server.app import create_app
+from runtime.server.connections import uvicorn_config
 from runtime.server.engine_loop import EngineLoop
+from runtime.server.options import ServerOptions
 
 WINDOW = 8  # Gemma3Config.tiny(): S S F S S F, window 8
 CONTEXT = 1024
@@ -61,11 +63,14 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(engine: Engine, shutdown_timeout_s: float = 5.0) -> LiveServer:
-    engine_loop = EngineLoop(engine)
-    app = create_app(engine_loop, model_name="tiny", shutdown_timeout_s=shutdown_timeout_s)
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
+def start_server(engine: Engine, shutdown_timeout_s: float = 5.0, logger=None, **options) -> LiveServer:
+    """Serve `engine` on 127.0.0.1 (a free port) with `ServerOptions(**options)` and the server's own
+    uvicorn config (connection limits and timeouts included); the engine loop logs to `logger` if given."""
+    opts = ServerOptions(port=0, shutdown_timeout_s=shutdown_timeout_s, **options)
+    engine_loop = EngineLoop(engine, max_queued_requests=opts.max_queued_requests, log_requests=opts.log_requests,
+                             logger=logger)
+    app = create_app(engine_loop, model_name="tiny", options=opts)
+    server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -87,6 +92,19 @@ def live():
 def client(live):
     with httpx.Client(base_url=live.url, timeout=60) as c:
         yield c
+
+
+class RecordingLogger:
+    """A structlog-like logger that keeps `(level, event, fields)` of every record."""
+
+    def __init__(self):
+        self.records: list[tuple[str, str, dict]] = []
+
+    def __getattr__(self, level: str):
+        return lambda event, **fields: self.records.append((level, event, fields))
+
+    def events(self, name: str) -> list[dict]:
+        return [fields for _, event, fields in self.records if event == name]
 
 
 def sse_events(lines) -> list[dict | str]:

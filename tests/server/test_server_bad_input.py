@@ -1,5 +1,7 @@
 """Every kind of bad input gets a 4xx whose message says what is wrong, in one error shape; afterwards the
-server is healthy, no KV slot is held, and only requests that reached admission count as `rejected`."""
+server is healthy, no KV slot is held, and only requests refused for what admission checks (prompt length,
+token ids) count as `rejected`. Hostile bodies included: deep nesting, huge integers, lone surrogates,
+NaN, other encodings and content types (each was a 500, or parsed as JSON, before these checks)."""
 
 import json
 
@@ -9,8 +11,12 @@ from conftest import CONTEXT
 
 G, C = "/generate", "/v1/completions"
 TOO_LONG = [5] * (CONTEXT + 76)
+JSON = {"content-type": "application/json"}
+DEEP = b'{"text": "hi", "sampling_params": ' + b'{"a": ' * 5000 + b"1" + b"}" * 5001
+HUGE_INT = b"9" * 5000
 
-# (method, path, body: dict to send as JSON or raw bytes, status, message substring, counted as rejected)
+# (method, path, body: dict to send as JSON, raw bytes (sent as JSON) or (bytes, headers), status, message
+# substring, counted as rejected)
 CASES = {
     # empty prompt
     "empty text": ("POST", G, {"text": ""}, 400, "empty prompt: give a non-empty `text`", False),
@@ -22,6 +28,9 @@ CASES = {
                                f"of {CONTEXT} tokens", True),
     "text over context": ("POST", C, {"prompt": "a" * 2000, "max_tokens": 1}, 400,
                           f"prompt (2001 tokens) + max_new_tokens (1) exceeds the context length of {CONTEXT}", True),
+    "text far over context, not tokenized": ("POST", G, {"text": "a" * (64 * CONTEXT + 1)}, 400,
+                                             f"prompt text of {64 * CONTEXT + 1} characters cannot fit the context "
+                                             f"length of {CONTEXT} tokens", True),
     "prompt + max tokens over context": ("POST", C, {"prompt": [7] * 200, "max_tokens": 900}, 400,
                                          "prompt (200 tokens) + max_new_tokens (900) exceeds the context length", True),
     # negative / absurd max tokens
@@ -65,6 +74,41 @@ CASES = {
                        False),
     "empty body": ("POST", C, b"", 400, "malformed JSON body: Expecting value at line 1 column 1", False),
     "not UTF-8": ("POST", G, b'{"text": "\xff"}', 400, "malformed JSON body: not valid UTF-8", False),
+    "UTF-16": ("POST", G, '{"text": "hi"}'.encode("utf-16"), 400, "malformed JSON body: not valid UTF-8", False),
+    # hostile JSON
+    "nested 100000 deep": ("POST", G, b"[" * 100_000 + b"]" * 100_000, 400,
+                           "malformed JSON body: nested deeper than 32 levels", False),
+    "nested 5000 deep in sampling_params": ("POST", G, DEEP, 400, "malformed JSON body: nested deeper than 32 levels",
+                                            False),
+    "5000-digit token id": ("POST", G, b'{"input_ids": [2, ' + HUGE_INT + b"]}", 400,
+                            "malformed JSON body: an integer has more than 4300 digits", False),
+    "5000-digit max_new_tokens": ("POST", G, b'{"text": "hi", "sampling_params": {"max_new_tokens": ' + HUGE_INT
+                                  + b"}}", 400, "malformed JSON body: an integer has more than 4300 digits", False),
+    "lone surrogate in text": ("POST", G, b'{"text": "a\\ud800b"}', 400,
+                               "invalid Unicode in text: a lone surrogate ('\\ud800') at character 1", False),
+    "lone surrogate in prompt": ("POST", C, b'{"prompt": "\\udfff"}', 400,
+                                 "invalid Unicode in prompt: a lone surrogate ('\\udfff') at character 0", False),
+    "lone surrogate in a key": ("POST", C, b'{"\\ud800": 1, "prompt": "hi"}', 400,
+                                "invalid Unicode in a key in body: a lone surrogate", False),
+    "NaN temperature": ("POST", C, b'{"prompt": "hi", "temperature": NaN}', 400,
+                        "malformed JSON body: NaN is not a JSON value", False),
+    "Infinity top_p": ("POST", G, b'{"text": "hi", "sampling_params": {"top_p": -Infinity}}', 400,
+                       "malformed JSON body: -Infinity is not a JSON value", False),
+    "overflowing float": ("POST", C, b'{"prompt": "hi", "temperature": 1e999}', 422,
+                          "temperature: Input should be less than or equal to 2 (got Infinity)", False),
+    "huge top_k list": ("POST", G, {"text": "hi", "sampling_params": {"top_k": [1] * 100000}}, 422,
+                        "sampling_params.top_k: Input should be a valid integer", False),
+    # content types: a browser page can send these cross-site without a preflight
+    "no content type": ("POST", G, (b'{"text": "hi"}', {}), 415,
+                        "missing Content-Type: send the body with `Content-Type: application/json`", False),
+    "text/plain": ("POST", C, (b'{"prompt": "hi"}', {"content-type": "text/plain"}), 415,
+                   "Content-Type 'text/plain' is not accepted", False),
+    "form": ("POST", G, (b"text=hi", {"content-type": "application/x-www-form-urlencoded"}), 415,
+             "Content-Type 'application/x-www-form-urlencoded' is not accepted", False),
+    "multipart": ("POST", G, (b'--x\r\n\r\n{"text": "hi"}\r\n--x--', {"content-type": "multipart/form-data; boundary=x"}),
+                  415, "Content-Type 'multipart/form-data' is not accepted", False),
+    "latin-1 charset": ("POST", G, (b'{"text": "hi"}', {"content-type": "application/json; charset=latin-1"}), 415,
+                        "charset 'latin-1' is not accepted: JSON bodies are UTF-8", False),
     # unknown model / route
     "unknown model": ("POST", C, {"model": "gpt-4", "prompt": "hi"}, 404,
                       "model 'gpt-4' not found; this server serves 'tiny'", False),
@@ -72,34 +116,36 @@ CASES = {
     "wrong method": ("GET", G, None, 405, "method GET not allowed on /generate", False),
 }
 ERROR_TYPES = {400: "invalid_request_error", 422: "invalid_request_error", 404: "not_found_error",
-               405: "invalid_request_error"}
+               405: "invalid_request_error", 415: "invalid_request_error"}
 
 
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 def test_bad_input_gets_4xx_with_message(case, live, client):
     method, path, body, status, message, counted = CASES[case]
     rejected_before = live.engine.stats.request_counts["rejected"]
-    if isinstance(body, bytes):
-        r = client.request(method, path, content=body)  # like `curl -d`: no JSON content type
+    if isinstance(body, tuple):
+        r = client.request(method, path, content=body[0], headers=body[1])
+    elif isinstance(body, bytes):
+        r = client.request(method, path, content=body, headers=JSON)
     elif body is None:
         r = client.request(method, path)
     else:
-        r = client.request(method, path, content=json.dumps(body), headers={"content-type": "application/json"})
+        r = client.request(method, path, content=json.dumps(body), headers=JSON)
 
     assert r.status_code == status, r.text
     assert r.headers["content-type"] == "application/json"
     error = r.json()["error"]
     assert message in error["message"]
     assert error["type"] == ERROR_TYPES[status] and error["code"] == status
-    assert live.engine.stats.request_counts["rejected"] - rejected_before == int(counted)
     health = client.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
-    live.wait_idle_clean()
+    live.wait_idle_clean()  # also waits for counts posted to the engine thread
+    assert live.engine.stats.request_counts["rejected"] - rejected_before == int(counted)
 
 
 def test_a_good_request_still_works_after_the_bad_ones(client, live):
     raw = b'{"text": "hi", "sampling_params": {"max_new_tokens": 3, "ignore_eos": true}}'
-    r = client.post("/generate", content=raw)  # like `curl -d`: JSON without a JSON content type
+    r = client.post("/generate", content=raw, headers={"content-type": "application/json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["meta"] == {
         "id": r.json()["meta"]["id"], "prompt_tokens": 3, "completion_tokens": 3, "finish_reason": "length"}
     live.wait_idle_clean()

@@ -12,7 +12,10 @@ import time
 import httpx
 import pytest
 
-from conftest import make_engine, sse_events, start_server
+from conftest import RecordingLogger, make_engine, sse_events, start_server
+from runtime.server.engine_loop import SHUTDOWN_MESSAGE
+
+SHUTDOWN_ERROR = {"error": {"message": SHUTDOWN_MESSAGE, "type": "service_unavailable", "code": 503}}
 
 
 @pytest.fixture
@@ -35,9 +38,13 @@ def test_idle_engine_thread_sleeps(server):
     assert _cpu_ticks(thread) - before <= 2  # a spinning thread would burn ~100 ticks a second
 
 
-def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server):
-    sched = server.engine.scheduler
-    real_step, calls = sched.step, []
+def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving():
+    """The running batch ends with status `error` (not `aborted`); the failure is logged once per minute,
+    as one line without local variables or request contents; repeats are counted as suppressed."""
+    logger = RecordingLogger()
+    server = start_server(make_engine(graphs=False), logger=logger)
+    engine = server.engine
+    real_step, calls = engine.step, []
 
     def flaky_step():
         calls.append(1)
@@ -45,28 +52,58 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving(server):
             raise RuntimeError("boom")
         return real_step()
 
-    sched.step = flaky_step
-    aborted = server.engine.stats.request_counts["aborted"]
-    body = {"input_ids": [2, 40, 41], "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
-    with httpx.Client(base_url=server.url, timeout=60) as client:
-        with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
-            events = sse_events(r.iter_lines())
-        assert events[-1] == "[DONE]"
-        assert events[-2] == {"error": {"message": "internal error in the engine step: RuntimeError: boom",
-                                        "type": "internal_error", "code": 500}}
-        assert server.engine.stats.request_counts["aborted"] - aborted == 1
-        server.wait_idle_clean()
+    engine.step = flaky_step
+    counts = engine.stats.request_counts
+    before = dict(counts)
+    suppressed = engine.stats.suppressed_counts["other"]
+    prompt = [2, 40, 41, 97, 98, 99]
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
+    message = "internal error in the engine step: RuntimeError: boom"
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                events = sse_events(r.iter_lines())
+            assert events[-1] == "[DONE]"
+            assert events[-2] == {"error": {"message": message, "type": "internal_error", "code": 500}}
+            server.wait_idle_clean()
 
-        calls.clear()
-        r = client.post("/generate", json=body)
-        assert r.status_code == 500 and r.json()["error"]["message"] == (
-            "internal error in the engine step: RuntimeError: boom")
-        server.wait_idle_clean()
+            calls.clear()
+            r = client.post("/generate", json=body)
+            assert r.status_code == 500 and r.json()["error"]["message"] == message
+            server.wait_idle_clean()
 
-        assert client.get("/health").status_code == 200
-        r = client.post("/generate", json=body)
-        assert r.status_code == 200 and len(r.json()["output_ids"]) == 20
-    server.wait_idle_clean()
+            assert client.get("/health").status_code == 200
+            r = client.post("/generate", json=body)
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 20
+        server.wait_idle_clean()
+    finally:
+        server.stop()
+
+    assert {k: counts[k] - before[k] for k in counts} == {
+        "finished": 1, "aborted": 0, "rejected": 0, "refused": 0, "error": 2, "other": 0}
+    (record,) = logger.events("engine_step_failed")  # the second failure fell in the same minute
+    assert record["error"] == "RuntimeError: boom" and record["running"] == 1
+    assert "test_server_lifecycle.py" in record["where"] and "flaky_step" in record["where"]
+    assert engine.stats.suppressed_counts["other"] - suppressed == 1
+    logged = repr(logger.records)
+    assert "exc_info" not in logged and str(prompt)[1:-1] not in logged, "request contents reached the logs"
+
+
+def test_log_requests_puts_prompts_in_the_logs():
+    logger = RecordingLogger()
+    server = start_server(make_engine(graphs=False), logger=logger, log_requests=True)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            r = client.post("/generate", json={"input_ids": [2, 40, 41], "sampling_params": {
+                "max_new_tokens": 3, "ignore_eos": True}})
+            assert r.status_code == 200
+        server.wait_idle_clean()
+    finally:
+        server.stop()
+    (admitted,) = logger.events("request_admitted")
+    (finished,) = logger.events("request_finished")
+    assert admitted["prompt_ids"] == [2, 40, 41] and admitted["params"]["max_new_tokens"] == 3
+    assert finished["output_ids"] == r.json()["output_ids"] and finished["finish_reason"] == "length"
 
 
 def test_a_client_that_gives_up_on_a_plain_request_aborts_it(server):
@@ -121,10 +158,52 @@ def test_shutdown_finishes_short_requests_aborts_long_ones_and_refuses_new(serve
     short, long = results["short"][:-1], results["long"][:-1]
     assert results["short"][-1] == results["long"][-1] == "[DONE]"
     assert short[-1]["meta"]["finish_reason"] == "length" and short[-1]["meta"]["completion_tokens"] == 10
-    assert long[-1]["meta"]["finish_reason"] == "abort" and long[-1]["meta"]["completion_tokens"] < 400
+    # cut by the shutdown: an error event after the tokens it got, never a quiet "finish_reason": "abort"
+    assert long[-1] == SHUTDOWN_ERROR
+    assert all(c["meta"]["finish_reason"] is None for c in long[:-1]) and len(long) > 1
+    assert sum(len(c["output_ids"]) for c in long[:-1]) < 400
     stats = server.engine.stats.request_counts
     assert (stats["finished"] - finished, stats["aborted"] - aborted) == (1, 1)
     server.engine.scheduler.assert_idle_clean()  # the engine thread has ended: safe to look directly
+
+
+def test_shutdown_answers_queued_and_running_requests_with_503():
+    """A plain request still queued when the drain deadline passes gets a 503 with the reason, not a 200
+    with empty output; the running stream gets an error event."""
+    server = start_server(make_engine(graphs=False, max_running_requests=1))
+    forward = server.engine.runner.forward
+    server.engine.runner.forward = lambda batch: (time.sleep(0.005), forward(batch))[1]
+    results = {}
+
+    def stream():
+        body = {"input_ids": [2, 50, 60], "stream": True, "sampling_params": {"max_new_tokens": 900,
+                                                                              "ignore_eos": True}}
+        with httpx.Client(base_url=server.url, timeout=60) as c, c.stream("POST", "/generate", json=body) as r:
+            results["stream"] = sse_events(r.iter_lines())
+
+    def plain():
+        body = {"model": "tiny", "prompt": [2, 7], "max_tokens": 5}
+        results["plain"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+
+    threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+    try:
+        threads[0].start()
+        while server.engine.scheduler.num_running() < 1:
+            time.sleep(0.01)
+        threads[1].start()
+        while server.engine.scheduler.num_waiting() < 1:
+            time.sleep(0.01)
+        aborted = server.engine.stats.request_counts["aborted"]
+        server.engine_loop.begin_shutdown(timeout_s=0.2)
+        for t in threads:
+            t.join(30)
+        server.engine_loop._thread.join(30)
+    finally:
+        server.stop()
+    assert results["plain"].status_code == 503 and results["plain"].json() == SHUTDOWN_ERROR
+    assert results["stream"][-2:] == [SHUTDOWN_ERROR, "[DONE]"]
+    assert server.engine.stats.request_counts["aborted"] - aborted == 2
+    server.engine.scheduler.assert_idle_clean()
 
 
 def _free_port() -> int:
@@ -157,7 +236,7 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
                 first = next(lines)
                 proc.send_signal(signal.SIGTERM)
                 events = sse_events([first, *lines])
-        assert events[-1] == "[DONE]" and events[-2]["meta"]["finish_reason"] == "abort"
+        assert events[-2:] == [SHUTDOWN_ERROR, "[DONE]"]
         assert proc.wait(30) == 0
     finally:
         if proc.poll() is None:
