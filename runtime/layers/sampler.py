@@ -1,46 +1,44 @@
-"""Next-token sampling: greedy at temperature 0, else temperature/top-p/top-k sampling."""
+"""Next-token sampling: greedy at temperature 0, else temperature/top-p/top-k sampling.
+
+Numerically safe for every parameter `SamplingParams` accepts: logits are shifted so that their maximum is
+0 *before* dividing by the temperature (in float64), so a tiny temperature (1e-40, 5e-324) sends every
+other logit to -inf (greedy in the limit) instead of overflowing to inf and feeding NaN to `multinomial`. The top token
+always survives top-k and top-p, so a row never ends with all-zero probabilities. A row whose logits are
+NaN or +inf (a model failure) raises `SamplingError` naming the row; the caller fails that request alone.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from runtime.core import SamplingParams
 
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be within [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+class SamplingError(ValueError):
+    """A row of logits that no token can be drawn from."""
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None) -> list[int]:
     """One token per row of `logits` (B, vocab), each row with its own parameters."""
+    logits = logits.float()
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)  # (B,)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise SamplingError(f"non-finite logits in row(s) {rows} of {logits.shape[0]}: nothing to sample from")
     out = []
-    for row, p in zip(logits.float(), params):
+    for row, p in zip(logits, params):
         if p.temperature == 0.0:
             out.append(int(row.argmax()))
             continue
-        row = row / p.temperature
+        # float64: a temperature below float32's smallest subnormal (e.g. 5e-324) would round to 0 there
+        row = (row.double() - row.max()) / p.temperature  # <= 0, the top token at exactly 0; others may be -inf
         if p.top_k:
             kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
             sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p > p.top_p
+            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # never the first: its exclusive sum is 0
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
         out.append(int(torch.multinomial(probs, 1, generator=generator)))
