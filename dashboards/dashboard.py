@@ -269,7 +269,8 @@ def requests() -> list[dict[str, Any]]:
         ),
         timeseries(
             "Requests by status",
-            "Completed requests per second by status: finished, aborted, rejected.",
+            "Requests ending per second by status: finished; aborted (client hang-up or shutdown); rejected "
+            "(invalid); refused (429: the waiting queue was full); error (the engine failed them).",
             "reqps",
             [target(f"sum by (status) ({rate(n.REQUESTS_TOTAL)})", "{{status}}")],
             stack=True,

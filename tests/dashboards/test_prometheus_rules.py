@@ -30,6 +30,8 @@ EXPECTED_ALERTS = {
     "SWARuntimeInvalidationStorm",
     "SWARuntimeKVPoolPressure",
     "SWARuntimeMetricsAbsent",
+    "SWARuntimeRequestErrors",
+    "SWARuntimeRequestsRefused",
 }
 
 
