@@ -1,15 +1,20 @@
 """Cost of the translation cache, measured side by side in one run.
 
-Prints (1) the hit-path cost of a memo lookup next to a prometheus_client Counter.inc() and a plain gather
-through the mapping, and (2) gathers per forward for each policy on Gemma 3 270M's schedule of 15 sliding
-layers (memo: one per distinct location tensor per forward; off: one per sliding layer).
+Prints (1) the hit-path cost of a memo lookup under each guard setting (off: the original unguarded memo;
+on: the default guard of versions, identity, contents and the end-of-forward mapping check; strict:
+`--loc-cache-verify 1`, every hit recomputed) next to a prometheus_client Counter.inc() and a plain gather
+through the mapping; (2) what each setting costs per decode forward on Gemma 3 270M's schedule of 15 sliding
+layers with the default pool size, next to the decode step of a real engine (`--model`, default the tiny
+model; `--model gemma3-270m` for the real one); (3) gathers per forward for each policy.
 
-    python benchmarks/translation_cost.py [--batch 8] [--repeat 20000]
+    python benchmarks/translation_cost.py [--batch 8] [--repeat 20000] [--model gemma3-270m]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
 import timeit
 
 import torch
@@ -24,11 +29,15 @@ SLIDING_LAYERS = 15  # Gemma 3 270M: 18 layers, every sixth full
 LAYERS = [(i + 1) % 6 != 0 for i in range(18)]
 
 
-def make_pool(policy: str):
+GUARDS = {"off": dict(guard=False), "on (default)": dict(guard=True), "strict": dict(guard=True, verify_rate=1.0)}
+
+
+def make_pool(policy: str, full_size: int = 4096, **options):
     stats = EngineStats(policy)
     pool = build_hybrid_kv_pool(
-        full_size=4096, swa_size=1024, page_size=1, layer_is_swa=LAYERS, num_kv_heads=1, head_dim=8,
-        dtype=torch.float32, policy=policy, stats=stats.translation, reporter=EventReporter(stats, RateLimiter(60.0)),
+        full_size=full_size, swa_size=full_size // 4, page_size=1, layer_is_swa=LAYERS, num_kv_heads=1,
+        head_dim=8, dtype=torch.float32, policy=policy, stats=stats.translation,
+        reporter=EventReporter(stats, RateLimiter(60.0)), **options,
     )
     return pool, stats
 
@@ -40,20 +49,78 @@ def per_call_ns(fn, repeat: int) -> float:
 
 
 def hit_path(batch: int, repeat: int) -> None:
-    pool, _ = make_pool("memo")
-    loc = pool.allocator.alloc(batch)
-    mapping = pool.allocator.full_to_swa_index_mapping
     counter = Counter("bench_total", "benchmark counter", registry=CollectorRegistry())
-    pool.begin_forward(1, "eager_decode")
-    pool.translate_loc_from_full_to_swa(loc, "kv_write")  # fill
-    lookup = per_call_ns(lambda: pool.translate_loc_from_full_to_swa(loc, "kv_write"), repeat)
-    pool.end_forward()
     inc = per_call_ns(counter.inc, repeat)
-    gather = per_call_ns(lambda: mapping[loc].to(torch.int32), repeat)
     print(f"hit-path cost (batch {batch}, ns per call, best of 5 x {repeat}):")
-    print(f"  memo lookup (hit)          {lookup:8.0f}")
-    print(f"  prometheus Counter.inc()   {inc:8.0f}   lookup / inc    = {lookup / inc:5.2f}")
-    print(f"  plain gather + int32 cast  {gather:8.0f}   lookup / gather = {lookup / gather:5.2f}")
+    gather = None
+    for name, options in GUARDS.items():
+        pool, _ = make_pool("memo", **options)
+        loc = pool.allocator.alloc(batch)
+        mapping = pool.allocator.full_to_swa_index_mapping
+        pool.begin_forward(1, "eager_decode")
+        pool.translate_loc_from_full_to_swa(loc, "kv_write")  # fill
+        lookup = per_call_ns(lambda: pool.translate_loc_from_full_to_swa(loc, "kv_write"), repeat)
+        pool.end_forward()
+        gather = gather or per_call_ns(lambda: mapping[loc].to(torch.int32), repeat)
+        print(f"  memo hit, guard {name:<13}{lookup:8.0f}   / Counter.inc() = {lookup / inc:5.2f}"
+              f"   / gather = {lookup / gather:5.2f}")
+    print(f"  prometheus Counter.inc()      {inc:8.0f}")
+    print(f"  plain gather + int32 cast     {gather:8.0f}")
+
+
+def per_forward_cost(batch: int, full_size: int, forwards: int = 2000) -> dict[str, float]:
+    """Microseconds per decode forward spent translating: entry, 15 sliding-layer lookups, end of forward."""
+    out = {}
+    settings = {f"memo, guard {name}": ("memo", options) for name, options in GUARDS.items()}
+    settings["off (15 gathers)"] = ("off", {})
+    for name, (policy, options) in settings.items():
+        pool, _ = make_pool(policy, full_size, **options)
+        loc = pool.allocator.alloc(batch)
+
+        def one_forward(f=[0]):
+            f[0] += 1
+            pool.begin_forward(f[0], "eager_decode")
+            for layer in range(SLIDING_LAYERS):
+                pool.translate_loc_from_full_to_swa(loc, "kv_write", layer)
+            pool.end_forward()
+
+        one_forward()
+        out[name] = min(timeit.repeat(one_forward, number=forwards, repeat=5)) / forwards * 1e6
+    return out
+
+
+def decode_step_ms(model: str, batch: int, steps: int = 24) -> float:
+    """Median decode forward of a real engine at `batch` requests (64-token prompts), default settings."""
+    from runtime.config import EngineConfig
+    from runtime.core import SamplingParams
+    from runtime.engine import Engine
+
+    times: list[float] = []
+
+    class Watch:
+        def after_step(self, batch_, seconds):
+            if batch_.is_decode:
+                times.append(seconds)
+
+    engine = Engine(EngineConfig(model=model), progress=False, observer=Watch())
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 200, (64,), generator=gen).tolist() for _ in range(batch)]
+    engine.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
+    return statistics.median(times[2:]) * 1e3
+
+
+def step_overhead(batch: int, model: str) -> None:
+    from runtime.config import EngineConfig
+
+    full_size = EngineConfig().max_total_tokens
+    start = time.perf_counter()
+    step = decode_step_ms(model, batch)
+    costs = per_forward_cost(batch, full_size)
+    print(f"\nper decode forward (batch {batch}, {SLIDING_LAYERS} sliding layers, mapping of {full_size} slots), "
+          f"next to a {model} decode step of {step:.2f} ms (median, default engine):")
+    for name, us in costs.items():
+        print(f"  {name:<24}{us:8.1f} us   {us / 1e3 / step * 100:6.3f}% of the step")
+    print(f"  (measured in {time.perf_counter() - start:.0f} s; best of 5 x 2000 forwards per setting)")
 
 
 def gathers_per_forward(batch: int, forwards: int = 10) -> None:
@@ -79,9 +146,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=20000)
+    parser.add_argument("--model", default="tiny", help="engine whose decode step the costs are held against")
     args = parser.parse_args()
     torch.set_num_threads(1)
     hit_path(args.batch, args.repeat)
+    step_overhead(args.batch, args.model)
     gathers_per_forward(args.batch)
 
 

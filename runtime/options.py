@@ -20,9 +20,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)
     g.add_argument("--loc-cache", choices=POLICIES, default=d.loc_cache, help="full→SWA translation policy")
     g.add_argument("--loc-cache-guard", choices=("on", "off"), default="on",
-                   help="version guard on memo/layerwise entries (off reproduces the unguarded design)")
+                   help="guard on memo/layerwise entries: identity, contents, versions, mapping "
+                        "(off reproduces the unguarded design)")
     g.add_argument("--loc-cache-verify", type=float, default=d.loc_cache_verify, metavar="RATE",
-                   help="fraction of cache hits recomputed and compared")
+                   help="fraction of cache hits recomputed and compared (1: strict, no stale translation "
+                        "is ever returned)")
     g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
     g.add_argument("--page-size", type=int, default=d.page_size)
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="full KV pool size in tokens")

@@ -78,16 +78,3 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
         """Attention of the batch's queries over `keys` (causal, windowed on sliding layers)."""
-
-
-def make_backend(name: str, pool, req_to_token, sliding_window: int | None) -> AttentionBackend:
-    """Registry with lazy imports: Triton loads only when chosen."""
-    if name == "torch":
-        from runtime.attention.torch_native import TorchNativeBackend
-
-        return TorchNativeBackend(pool, req_to_token, sliding_window)
-    if name == "triton":
-        from runtime.attention.triton_backend import TritonBackend
-
-        return TritonBackend(pool, req_to_token, sliding_window)
-    raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -18,9 +18,10 @@ Per policy the workload runs in one engine, in four phases:
   own load-back happens between forwards (and allocates first), where forward-entry and allocation
   invalidations would hide a missing mapping invalidation.
 
-Every run's tokens and sampled logits are compared with a clean reference: the same policy with no fault
-and the guard on (or, for a clean run, the uncached `off` policy). The report lists policy x site x
-classification with the first occurrence's origin and a suggested fix; the exit status is 1 when any
+Every run's tokens and sampled logits are compared with the ground truth: the uncached `off` policy of the
+same build, whatever the run's guard, verify or fault settings. The model runner counts every branch a
+forward can take (`BRANCHES`), and the report fails unless the workload ran each one. The report lists
+policy x site x classification with the first occurrence's origin and a suggested fix; the exit status is 1 when any
 non-benign event, output mismatch or failed check occurred.
 """
 
@@ -31,6 +32,7 @@ import torch
 from runtime.config import POLICIES
 from runtime.diagnose.report import PolicyReport, Report, Row, render
 from runtime.diagnose.workload import PHASES, Mismatch, RunResult, Workload, compare, run_workload
+from runtime.executor.model_runner import BRANCHES
 from runtime.mem_cache.translation import ONE_OFF_SITE
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
@@ -39,12 +41,13 @@ from telemetry.names import NON_BENIGN_CLASSIFICATIONS
 __all__ = ["PHASES", "REQUIRED_COVERAGE", "Report", "render", "run_diagnose"]
 
 
-REQUIRED_COVERAGE = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "hicache_offloads",
-                     "hicache_loadbacks", "swa_evicted_tokens", "midforward_remaps")
+REQUIRED_COVERAGE = (*BRANCHES, "hicache_offloads", "hicache_loadbacks", "swa_evicted_tokens", "midforward_remaps")
 
 
 def _checks(run: RunResult, mismatches: list[Mismatch], reference: str) -> list[str]:
-    failures = [f"the workload did not exercise {name}" for name in REQUIRED_COVERAGE if not run.coverage.get(name)]
+    # every runner branch the runner declares (they are all in the coverage) and every workload feature
+    needed = dict.fromkeys([*run.coverage, *REQUIRED_COVERAGE])
+    failures = [f"the workload did not exercise {name}" for name in needed if not run.coverage.get(name)]
     for (site, classification), n in sorted(run.key_change_counts.items()):
         if classification in NON_BENIGN_CLASSIFICATIONS:
             failures.append(f"{n} {classification} event(s) at {site}")
@@ -79,14 +82,12 @@ def run_diagnose(model: str = "tiny", policies=POLICIES, inject=(), guard: bool 
             return results[key]
 
         faulty = dict(inject=tuple(inject), loc_cache_guard=guard, loc_cache_verify=verify)
-        clean = dict(inject=(), loc_cache_guard=True, loc_cache_verify=0.0)
+        # Ground truth for every run, whatever its guard, verify or fault settings: the uncached policy of
+        # this same build (a bug that also corrupts under the guard must not compare equal to itself).
+        ref, reference = run("off", inject=(), loc_cache_guard=True, loc_cache_verify=0.0), "the uncached `off` run"
         reports, rows = [], []
         for policy in policies:
             result = run(policy, **faulty)
-            if faulty != clean:
-                ref, reference = run(policy, **clean), f"the clean {policy} run"
-            else:
-                ref, reference = run("off", **clean), "the uncached `off` run"
             mismatches = compare(result, ref)
             reports.append(PolicyReport(policy, result, reference, mismatches, _checks(result, mismatches, reference)))
             keys = sorted(result.key_change_counts, key=lambda k: (k[1] not in NON_BENIGN_CLASSIFICATIONS, k))

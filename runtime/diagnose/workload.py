@@ -281,9 +281,8 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     engine.scheduler.assert_idle_clean()
 
     stats, t = engine.stats, engine.stats.translation
-    captures = runner.capture_runs
-    coverage = {mode: n for mode, n in stats.forward_counts.items() if mode != "other"}
-    coverage.update(graph_capture=captures, draft_steps=DRAFT_STEPS, midforward_remaps=drive.remaps,
+    coverage = dict(runner.branch_counts)  # every runner branch, by name
+    coverage.update(draft_steps=DRAFT_STEPS, midforward_remaps=drive.remaps,
                     hicache_offloads=stats.hicache_offloads, hicache_loadbacks=stats.hicache_loadbacks,
                     swa_evicted_tokens=stats.swa_evicted_tokens)
     return RunResult(

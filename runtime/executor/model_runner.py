@@ -16,7 +16,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
-from runtime.attention.base import make_backend
+from runtime.attention.registry import make_backend
 from runtime.config import ResolvedConfig
 from runtime.context import ForwardContext, forward_context
 from runtime.executor.forward_batch import ForwardBatch
@@ -25,6 +25,16 @@ from runtime.faults import Faults
 from runtime.mem_cache.req_to_token import ReqToTokenPool
 from runtime.mem_cache.swa_pool import build_hybrid_kv_pool
 from telemetry.stats import EngineStats, NullTranslationStats
+
+# Every way a forward can run. Each branch below counts itself in `branch_counts`, and `swa-runtime diagnose`
+# fails unless its workload ran every one, so a new branch must be declared here and cannot go unexercised.
+BRANCHES = (
+    "eager_extend",  # a prefill chunk
+    "eager_decode",  # decode without a graph: graphs off, or a batch larger than the largest graph size
+    "graph_replay",  # decode over the static buffers of a captured batch size
+    "graph_capture",  # warm-up and capture runs at start-up
+    "multi_step",  # several decode steps inside one forward
+)
 
 
 class ModelRunner:
@@ -48,8 +58,8 @@ class ModelRunner:
         self.req_to_token = ReqToTokenPool(cfg.max_running_requests, rc.context_length, cfg.device)
         self.backend = make_backend(cfg.attention_backend, self.pool, self.req_to_token, rc.window)
         self._forward_id = 0
+        self.branch_counts = dict.fromkeys(BRANCHES, 0)
         self.graphs = None
-        self.capture_runs = 0
         if cfg.graphs:
             self.graphs = StaticGraphRunner(cfg.graph_batch_sizes, cfg.max_running_requests, cfg.device)
             self._capture(progress)
@@ -80,10 +90,12 @@ class ModelRunner:
     def multi_step(self) -> Iterator[Callable[[ForwardBatch], torch.Tensor]]:
         """Several eager decode steps inside one forward (one id, one entry invalidation), as a multi-step or
         draft decoder runs them: `with runner.multi_step() as step: logits = step(batch)`."""
+        self.branch_counts["multi_step"] += 1
         with self._forward_scope("eager_decode", record=False) as forward_id:
             yield lambda batch: self._run(batch, "eager_decode", forward_id)
 
     def _forward(self, batch: ForwardBatch, mode: str, record: bool = True) -> torch.Tensor:
+        self.branch_counts[mode] += 1
         with self._forward_scope(mode, record) as forward_id:
             n = batch.batch_size
             if mode == "graph_replay":
@@ -118,4 +130,3 @@ class ModelRunner:
                        disable=not progress):
             for _ in range(WARMUP_RUNS + 1):
                 self._forward(self.graphs.capture_batch(bs), "graph_capture", record=False)
-                self.capture_runs += 1

@@ -6,7 +6,8 @@ Every token owns a full slot; while it is inside some request's sliding window i
 
 Every mutation of the mapping calls the registered invalidation hook with its site name, so the pool's
 translation cache can never outlive the mapping it was computed from (the pool's `skip-alloc-invalidation`
-fault switch ignores exactly these calls, to show that the version guard still catches it).
+fault switch ignores exactly these calls, to show that the version guard still catches it). Each mutation
+also writes `record`, so that a write by any other path is found and reported as unhooked.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Callable
 import torch
 
 from runtime.mem_cache.allocator import AllocationError, PagedAllocator, check_locations
+from runtime.mem_cache.mapping_record import MappingRecord
 
 InvalidateHook = Callable[[str], None]
 
@@ -30,6 +32,7 @@ class HybridAllocator:
         self.swa_rows = swa_size + page_size
         # (full_rows + 1,) int64; the last element is the -1 sentinel.
         self.full_to_swa_index_mapping = self._empty_mapping()
+        self.record = MappingRecord(self.full_to_swa_index_mapping)  # what the hooked mutations wrote
         self.mapping_generation = 0  # bumped when a new mapping tensor is registered
         self.last_mutation: str | None = None  # site of the latest mapping mutation, for attributing staleness
         self._invalidate_hooks: list[InvalidateHook] = []
@@ -99,7 +102,7 @@ class HybridAllocator:
         return full_locs
 
     def _map(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
-        self.full_to_swa_index_mapping[full_locs] = swa_locs
+        self.record.write(self.full_to_swa_index_mapping, full_locs, swa_locs)
         self._mutated("alloc")
 
     # ---- release -----------------------------------------------------------------------------------------
@@ -110,7 +113,7 @@ class HybridAllocator:
         swa_locs = swa_locs[swa_locs > 0]
         self.swa.free(swa_locs)  # validates before touching anything
         self.full.free(full_locs)
-        self.full_to_swa_index_mapping[full_locs.long()] = 0
+        self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
         self._mutated("free")
 
     def free_swa(self, full_locs: torch.Tensor) -> int:
@@ -132,15 +135,14 @@ class HybridAllocator:
             if swa_locs.numel() == 0:
                 return 0
         self.swa.free(swa_locs)
-        self.full_to_swa_index_mapping[full_locs] = 0
+        self.record.write(self.full_to_swa_index_mapping, full_locs, 0)
         self._mutated("free_swa")
         return int(swa_locs.numel())
 
     def clear(self) -> None:
         self.full.clear()
         self.swa.clear()
-        self.full_to_swa_index_mapping.zero_()
-        self.full_to_swa_index_mapping[-1] = -1
+        self.record.reset(self.full_to_swa_index_mapping)
         self._mutated("clear")
 
     # ---- direct mapping edits (host-cache load-back) -----------------------------------------------------
@@ -149,12 +151,12 @@ class HybridAllocator:
         check_locations(swa_locs, self.swa_rows, allow_reserved=False, page_size=self.page_size)
         if full_locs.shape != swa_locs.shape:
             raise ValueError(f"mapping update shapes differ: {tuple(full_locs.shape)} vs {tuple(swa_locs.shape)}")
-        self.full_to_swa_index_mapping[full_locs.long()] = swa_locs.long()
+        self.record.write(self.full_to_swa_index_mapping, full_locs.long(), swa_locs.long())
         self._mutated("set_mapping")
 
     def clear_swa_mapping(self, full_locs: torch.Tensor) -> None:
         check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
-        self.full_to_swa_index_mapping[full_locs.long()] = 0
+        self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
         self._mutated("clear_swa_mapping")
 
     def register_mapping(self, mapping: torch.Tensor) -> None:
@@ -162,6 +164,7 @@ class HybridAllocator:
         version history, so the generation counter is what tells a guard that the mapping was swapped."""
         self.check_mapping(mapping)
         self.full_to_swa_index_mapping = mapping
+        self.record.adopt(mapping)
         self.mapping_generation += 1
         self._mutated("register_mapping")
 

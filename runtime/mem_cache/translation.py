@@ -5,23 +5,35 @@ stale. Counting is plain integers in `TranslationStats`; key-change events go to
 classifies nothing itself: the decision rules live in `telemetry.events.classify_lookup`, and this module only
 gathers the facts for them.
 
-- `memo`: one entry keyed by `(data_ptr, numel)` of the location tensor, guarded by the tensor's and the
-  mapping's version counters and the mapping generation.
-- `layerwise`: one entry keyed by the sliding-layer position; refilled at the first sliding layer.
+- `memo`: one entry keyed by `(data_ptr, numel)` of the location tensor. Its guard: the very tensor that
+  filled it is still alive (a weak reference: a new tensor at a freed tensor's address is not the same key),
+  its contents are unchanged (a snapshot: catches writes no version counter sees), the versions of the
+  tensor and the mapping, the mapping tensor itself and its generation.
+- `layerwise`: one entry keyed by the sliding-layer position; refilled at the first sliding layer; the same
+  guard but for the weak reference (its key is not an address).
 - `per_forward`, `off`: no entry; every call gathers (`per_forward` is called once per forward by the backend).
+
+Every policy checks at the end of each forward that the mapping still equals what the allocator's hooked
+mutations wrote (`MappingRecord`): a write by any other path is reported once as `stale_loc`, "mapping
+changed outside every hooked mutation", in the forward where it was found.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from runtime.mem_cache.mapping_record import MappingRecord, tensor_version
 from telemetry.events import KeyChangeEvent, LookupFacts, caller_stack, classify_lookup
 from telemetry.stats import TranslationStats
 
 ONE_OFF_SITE = "window_indices"
+
+
+UNSEEN_WRITE = "a write no version counter sees (numpy, a raw kernel, a graph replay's copy)"
 
 
 @dataclass(slots=True)
@@ -33,23 +45,19 @@ class _Entry:
     forward_id: int
     mode: str
     site: str
-
-
-def _version(t: torch.Tensor) -> int:
-    """The tensor's version counter; -1 for tensors created under inference_mode (they track none, so the
-    guard cannot see their rewrites: sampled verification must)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return -1
+    snapshot: torch.Tensor  # the location tensor's contents at fill time
+    mapping: torch.Tensor  # the mapping tensor the value was gathered from
+    filler: weakref.ref | None  # the tensor that filled it (memo); None when the key is not an address
 
 
 class MappingSource(Protocol):
-    """What a translator reads: the allocator's current mapping, its generation and last mutation site."""
+    """What a translator reads: the allocator's current mapping, its generation, last mutation site and the
+    record of what the hooked mutations wrote."""
 
     full_to_swa_index_mapping: torch.Tensor
     mapping_generation: int
     last_mutation: str | None
+    record: MappingRecord
 
 
 class Translator:
@@ -64,12 +72,33 @@ class Translator:
         # The forward in progress, as the pool was told (`begin_forward`); 0 / "none" between forwards.
         self.forward_id = 0
         self.mode = "none"
+        self._last_site = "other"  # the latest translate site, to attribute a mapping change found later
+        self._clean_through = 0  # the latest forward at whose end the mapping matched its record
 
     def begin_forward(self, forward_id: int, mode: str) -> None:
         self.forward_id, self.mode = forward_id, mode
 
     def end_forward(self) -> None:
+        """The forward is over: any mapping write outside the hooked mutations is reported now."""
+        if self.reporter is not None and self.forward_id:
+            self.check_mapping_ownership()
+            self._clean_through = self.forward_id
         self.forward_id, self.mode = 0, "none"
+
+    def check_mapping_ownership(self, site: str | None = None, entry: "_Entry | None" = None) -> bool:
+        """Report (once) a mapping that differs from what the hooked mutations wrote; True if it did."""
+        src = self.source
+        change = src.record.unhooked_rows(src.full_to_swa_index_mapping)
+        if change is None:
+            return False
+        self._report("stale_loc", site or self._last_site, entry, (), self.unhooked_cause(change))
+        src.record.adopt(src.full_to_swa_index_mapping)  # reported; from here on it is the mapping
+        return True
+
+    def unhooked_cause(self, change: str) -> str:
+        where = f"after forward {self._clean_through} ended" if self._clean_through else "since start-up"
+        return (f"mapping changed outside every hooked mutation: {change}; written {where}, by forward "
+                f"{self.forward_id} ({self.mode}); last hooked mutation: {self.source.last_mutation or 'none'}")
 
     def translate(self, loc: torch.Tensor, site: str, layer_pos: int = 0) -> torch.Tensor:
         return self.gather(loc)
@@ -144,59 +173,83 @@ class _CachingTranslator(Translator):
 
     def _guard(self, loc: torch.Tensor) -> tuple:
         src = self.source
-        return (_version(loc), src.full_to_swa_index_mapping._version, src.mapping_generation)
+        return (tensor_version(loc), tensor_version(src.full_to_swa_index_mapping), src.mapping_generation)
 
-    def _cause(self, entry: _Entry, guard: tuple) -> str:
-        """Say what moved between fill and now: the buffer, the mapping (and its last mutation site)."""
+    def _holds(self, entry: _Entry, loc: torch.Tensor, guard: tuple) -> bool:
+        """The entry still describes `loc`: versions, the mapping tensor, the filling tensor alive (so no other
+        tensor took its address), and the same contents (catches writes no version counter sees)."""
+        return (
+            entry.guard == guard
+            and entry.mapping is self.source.full_to_swa_index_mapping
+            and (entry.filler is None or entry.filler() is not None)
+            and torch.equal(loc, entry.snapshot)
+        )
+
+    def _cause(self, entry: _Entry, loc: torch.Tensor, guard: tuple) -> str:
+        """Say what moved between fill and now: the buffer (and how), the mapping (and through which path)."""
         parts = []
-        if entry.guard[0] != guard[0]:
+        if entry.filler is not None and entry.filler() is None:
+            parts.append("address reuse: the tensor that filled the entry was freed and another tensor of the "
+                         "same length now sits at its address")
+        elif not torch.equal(loc, entry.snapshot):
+            parts.append("loc buffer rewritten in place" + ("" if entry.guard[0] != guard[0] else f" by {UNSEEN_WRITE}"))
+        elif entry.guard[0] != guard[0]:
             parts.append("loc buffer rewritten in place")
-        if entry.guard[1] != guard[1] or entry.guard[2] != guard[2]:
-            parts.append(f"mapping changed at {self.source.last_mutation or 'unknown site'}")
+        src = self.source
+        if entry.mapping is not src.full_to_swa_index_mapping or entry.guard[1:] != guard[1:]:
+            change = src.record.unhooked_change(src.full_to_swa_index_mapping)
+            if change is not None:
+                parts.append(self.unhooked_cause(change))
+                src.record.adopt(src.full_to_swa_index_mapping)
+            else:
+                parts.append(f"mapping changed at {src.last_mutation or 'unknown site'}")
         return "; ".join(parts) or "unknown"
 
-    def _fill(self, loc: torch.Tensor, key: tuple, view: tuple, guard: tuple, site: str) -> torch.Tensor:
+    def _fill(self, loc: torch.Tensor, key: tuple, view: tuple, guard: tuple, site: str,
+              filler: weakref.ref | None) -> torch.Tensor:
         value = self.gather(loc, checked=True)
-        self._entry = _Entry(key, view, guard, value, self.forward_id, self.mode, site)
+        self._entry = _Entry(key, view, guard, value, self.forward_id, self.mode, site, loc.clone(),
+                             self.source.full_to_swa_index_mapping, filler)
         self._invalidated_since_fill = False
         return value
 
-    def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple) -> torch.Tensor:
+    def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple, filler: weakref.ref | None) -> torch.Tensor:
         forward_id, mode = self.forward_id, self.mode
+        self._last_site = site
         entry = self._entry
         guard = self._guard(loc)
-        # Fast path: the plain hit of rule 8 (same key, view, guard and forward).
+        # Fast path: the plain hit of rule 8 (same key, view, guard and forward, the very same tensor).
         if (
             entry is not None
             and entry.key == key
             and entry.forward_id == forward_id
             and entry.view == view
             and entry.guard == guard
+            and entry.mapping is self.source.full_to_swa_index_mapping
+            and (entry.filler is None or entry.filler() is loc)
+            and torch.equal(loc, entry.snapshot)
         ):
             return self._hit(loc, entry, site, mode)
         self.check(loc)
+        same_key = entry is not None and entry.key == key
         facts = LookupFacts(
             has_entry=entry is not None,
             invalidated_since_fill=self._invalidated_since_fill,
             capturing=mode == "graph_capture",
             entry_before_capture_run=entry is not None and entry.forward_id != forward_id,
-            same_key=entry is not None and entry.key == key,
+            same_key=same_key,
             same_view=entry is not None and entry.view == view,
-            guard_equal=entry is not None and entry.guard == guard,
+            guard_equal=same_key and self._holds(entry, loc, guard),
             entry_from_earlier_forward=entry is not None and entry.forward_id != forward_id,
         )
         verdict = classify_lookup(facts, self.guard_enabled)
         if verdict.classification is not None:
-            cause = self._cause(entry, guard) if verdict.classification == "stale_loc" else None
+            cause = self._cause(entry, loc, guard) if verdict.classification == "stale_loc" else None
             self._report(verdict.classification, site, entry, key, cause)
         if verdict.hit:
             return self._hit(loc, entry, site, mode)
         self.stats.miss(mode, verdict.reason)
-        return self._fill(loc, key, view, guard, site)
-
-    def _count_hit(self, entry: _Entry, mode: str) -> torch.Tensor:
-        self.stats.hit(mode)
-        return entry.value
+        return self._fill(loc, key, view, guard, site, filler)
 
     def _hit(self, loc: torch.Tensor, entry: _Entry, site: str, mode: str) -> torch.Tensor:
         """A hit, except on sampled hits whose fresh gather disagrees: stale_loc, and the fresh value wins."""
@@ -206,12 +259,14 @@ class _CachingTranslator(Translator):
                 self._hits_since_verify = 0
                 fresh = self.gather(loc)
                 if not torch.equal(fresh, entry.value):
-                    self._report("stale_loc", site, entry, entry.key, "verification mismatch (write the version guard cannot see)")
+                    if not self.check_mapping_ownership(site, entry):
+                        self._report("stale_loc", site, entry, entry.key, f"verification mismatch ({UNSEEN_WRITE})")
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.
-                    self._entry = _Entry(entry.key, entry.view, self._guard(loc), fresh, self.forward_id, self.mode, site)
-                    return fresh
-        return self._count_hit(entry, mode)
+                    self._fill(loc, entry.key, entry.view, self._guard(loc), site, entry.filler)
+                    return self._entry.value
+        self.stats.hit(mode)
+        return entry.value
 
 
 class MemoTranslator(_CachingTranslator):
@@ -237,12 +292,13 @@ class MemoTranslator(_CachingTranslator):
             key = (ptr, loc.numel())
         else:
             key = (ptr - offset * loc.element_size(), loc.numel())
-        return self._lookup(loc, site, key, (ptr, offset))
+        filler = entry.filler if (entry := self._entry) is not None and entry.filler() is loc else weakref.ref(loc)
+        return self._lookup(loc, site, key, (ptr, offset), filler)
 
 
 class LayerwiseTranslator(_CachingTranslator):
-    """Keyed by sliding-layer position: refilled at position 0, reused after. It cannot see which tensor it is
-    asked about; the guard compares version counters only."""
+    """Keyed by sliding-layer position: refilled at position 0, reused after. Its key says nothing about the
+    tensor it is asked about, so the guard's contents snapshot is what ties a later layer's tensor to it."""
 
     policy = "layerwise"
 
@@ -254,8 +310,9 @@ class LayerwiseTranslator(_CachingTranslator):
             reason = "invalidated" if self._invalidated_since_fill else ("cold" if entry is None else "key_changed")
             self.check(loc)
             self.stats.miss(self.mode, reason)
-            return self._fill(loc, ("layer", 0), ("layer", 0), self._guard(loc), site)
-        return self._lookup(loc, site, ("layer", 0), ("layer", 0))
+            self._last_site = site
+            return self._fill(loc, ("layer", 0), ("layer", 0), self._guard(loc), site, None)
+        return self._lookup(loc, site, ("layer", 0), ("layer", 0), None)
 
 
 TRANSLATORS = {

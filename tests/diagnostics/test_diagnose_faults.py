@@ -69,7 +69,7 @@ def by_policy(report):
 
 
 @pytest.mark.parametrize("fault", sorted(EXPECTED))
-def test_guard_on_classifies_the_fault_at_its_site_and_outputs_equal_the_clean_run(diagnose, fault):
+def test_guard_on_classifies_the_fault_at_its_site_and_outputs_equal_the_uncached_run(diagnose, fault):
     report = diagnose(fault)
     runs = by_policy(report)
     for policy in POLICIES:
@@ -84,8 +84,8 @@ def test_guard_on_classifies_the_fault_at_its_site_and_outputs_equal_the_clean_r
             assert e.prev_site == "kv_write" and e.prev_forward_id <= e.forward_id
             assert "set_kv_buffer" in e.stack
         run = runs[policy]
-        assert run.mismatches == [], policy  # tokens and logits equal the clean run of the same policy
-        assert run.reference == f"the clean {policy} run"
+        assert run.mismatches == [], policy  # tokens and logits equal the ground truth
+        assert run.reference == "the uncached `off` run"
     assert report.exit_status == 1
 
 

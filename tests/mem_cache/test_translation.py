@@ -227,14 +227,19 @@ def test_policies_agree_on_values_and_differ_in_gathers(make_pool, policy, gathe
     assert pool.stats.translation.translation_count == gathers
 
 
-def test_layerwise_cannot_see_a_different_tensor_at_a_later_layer(make_pool):
-    """Why layerwise is fragile: the key is the layer position, so another tensor gets the cached value."""
-    pool = make_pool("layerwise")
-    a, b = pool.allocator.alloc(4), pool.allocator.alloc(4)
-    with fwd(pool, 1):
-        pool.translate_loc_from_full_to_swa(a, "kv_write", 0)
-        out = pool.translate_loc_from_full_to_swa(b, "kv_write", 1)
-    assert torch.equal(out, fresh(pool, a))
+def test_layerwise_sees_a_different_tensor_at_a_later_layer_through_the_contents_guard(make_pool):
+    """The layerwise key is the layer position, so another tensor would get the cached value; the guard's
+    snapshot of the contents is what catches it (the guard off keeps the original fragility)."""
+    for guard, expect_fresh in ((True, True), (False, False)):
+        pool = make_pool("layerwise", guard=guard)
+        a, b = pool.allocator.alloc(4), pool.allocator.alloc(4)
+        with fwd(pool, 1):
+            pool.translate_loc_from_full_to_swa(a, "kv_write", 0)
+            out = pool.translate_loc_from_full_to_swa(b, "kv_write", 1)
+        assert torch.equal(out, fresh(pool, b if expect_fresh else a))
+        assert events(pool) == {("kv_write", "stale_loc"): 1}
+        (event,) = pool.reporter.first_events()
+        assert event.cause.startswith("loc buffer rewritten in place by a write no version counter sees")
 
 
 @pytest.mark.parametrize("skip_invalidation, expected_events", [
@@ -280,16 +285,20 @@ def test_a_verification_repair_refills_the_entry_for_this_forward(make_pool):
     pool = make_pool(verify_rate=1.0)
     locs = pool.allocator.alloc(8)
     static = locs[:4].clone()
+    mapping = pool.allocator.full_to_swa_index_mapping
+    moved = mapping[locs[4:]].clone()
     with fwd(pool, 1):
         pool.translate_loc_from_full_to_swa(static, "kv_write", 0)
-    static.numpy()[:] = locs[4:].numpy()  # invisible to the version counter
+    mapping.numpy()[static.numpy()] = moved.numpy()  # outside the allocator, invisible to every version counter
     with fwd(pool, 2):  # and the forward-entry invalidation is missing
         outs = [pool.translate_loc_from_full_to_swa(static, "kv_write", layer) for layer in range(SLIDING)]
-    assert all(torch.equal(o, fresh(pool, locs[4:])) for o in outs)
+    assert all(torch.equal(o, moved.to(torch.int32)) for o in outs)
     # the first lookup crosses forwards and its verification repairs it; the repaired entry belongs to
     # forward 2, so the other layers are ordinary hits, not more cross-forward ones
     assert events(pool) == {("kv_write", "cross_forward"): 1, ("kv_write", "stale_loc"): 1}
     assert pool.stats.translation.hit_counts["eager_extend"] == SLIDING - 1
+    stale = next(e for e in pool.reporter.first_events() if e.classification == "stale_loc")
+    assert stale.cause.startswith("mapping changed outside every hooked mutation: a write no version counter sees")
 
 
 def test_an_event_names_the_engine_code_that_asked_not_library_frames(make_pool):
