@@ -59,11 +59,27 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
     from runtime.diagnose import render, run_diagnose
     from telemetry.logging import configure_logging
 
+    if args.from_log:
+        return diagnose_from_log(args)
     configure_logging(args.log_format, args.log_level)
     report = run_diagnose(model=args.model, policies=tuple(args.policy) or POLICIES, inject=tuple(args.inject),
                           guard=args.loc_cache_guard == "on", verify=args.loc_cache_verify, seed=args.seed,
                           attention_backend=args.attention_backend, threads=args.threads)
     print(json.dumps(report.as_dict(), indent=2) if args.json else render(report))
+    return report.exit_status
+
+
+def diagnose_from_log(args: argparse.Namespace) -> int:
+    """`diagnose --from-log`: the same table from engines' JSON logs instead of a workload run."""
+    from runtime.diagnose.from_log import diagnose_logs
+
+    workload_only = [flag for flag, given in (("--inject", args.inject), ("--policy", args.policy)) if given]
+    if workload_only:
+        print(f"error: {' and '.join(workload_only)} choose what the workload runs; they do not apply with "
+              "--from-log", file=sys.stderr)
+        return 2
+    report = diagnose_logs(args.from_log, stdin=sys.stdin.buffer)
+    print(json.dumps(report.as_dict(), indent=2) if args.json else report.render())
     return report.exit_status
 
 
@@ -119,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     diag.add_argument("--seed", type=int, default=0)
     diag.add_argument("--threads", type=int, default=1, help="torch threads (default 1: fast and reproducible)")
     diag.add_argument("--json", action="store_true", help="print the report as JSON (rows, totals, exit status)")
+    diag.add_argument("--from-log", action="extend", nargs="+", default=[], metavar="FILE",
+                      help="instead of running the workload, read engines' --log-format json logs (- for stdin; "
+                      "several files, or the flag repeated, for several replicas) and report their events")
     diag.add_argument("--log-format", choices=("console", "json"), default="console")
     diag.add_argument("--log-level", default="WARNING")
     diag.set_defaults(func=cmd_diagnose)

@@ -1,4 +1,8 @@
-"""The diagnose report: rows per policy x site x classification, suggested fixes, rendering."""
+"""The diagnose report: rows per policy x site x classification, suggested fixes, rendering.
+
+The rows, their totals and the table are shared with `diagnose --from-log` (from_log.py), which builds the
+same rows from a structured log instead of a workload run.
+"""
 
 from __future__ import annotations
 
@@ -73,7 +77,8 @@ class Row:
     classification: str
     count: int
     first: KeyChangeEvent | None
-    phase: str | None  # workload phase of the first occurrence
+    phase: str | None  # workload phase of the first occurrence (None when read from a log)
+    instance: str | None = None  # the replica the events came from (only when read from logs)
 
     @property
     def benign(self) -> bool:
@@ -85,9 +90,53 @@ class Row:
             first = {"forward_id": e.forward_id, "mode": e.mode, "phase": self.phase, "prev_site": e.prev_site,
                      "prev_forward_id": e.prev_forward_id, "prev_mode": e.prev_mode, "cause": e.cause,
                      "stack": e.stack}
-        return {"policy": self.policy, "site": self.site, "classification": self.classification,
-                "count": self.count, "benign": self.benign, "first": first,
-                "fix": suggest_fix(e) if e is not None else None}
+        row = {"policy": self.policy, "site": self.site, "classification": self.classification,
+               "count": self.count, "benign": self.benign, "first": first,
+               "fix": suggest_fix(e) if e is not None else None}
+        return row if self.instance is None else {"instance": self.instance, **row}
+
+
+def row_totals(rows: list[Row]) -> dict:
+    """Event counts over `rows`: non-benign, benign, and per classification."""
+    by_class: dict[str, int] = {}
+    for r in rows:
+        by_class[r.classification] = by_class.get(r.classification, 0) + r.count
+    return {"non_benign_events": sum(r.count for r in rows if not r.benign),
+            "benign_events": sum(r.count for r in rows if r.benign),
+            "by_classification": by_class}
+
+
+def render_rows(rows: list[Row], show_instance: bool = False) -> list[str]:
+    """The table: one line per row (instance first when asked), then origin, cause, stack and fix."""
+    width = max([10] + [len(r.instance or "") + 2 for r in rows]) if show_instance else 0
+    header = (f"{'instance':<{width}}" if show_instance else "") + (
+        f"{'policy':<12}{'site':<16}{'classification':<21}{'kind':<8}{'count':>5}  {'first seen':<40}filled by")
+    lines = [header, "-" * (len(header) + 30)]
+    if not rows:
+        lines.append("(no key-change events)")
+    for r in rows:
+        e = r.first
+        seen = f"fwd {e.forward_id} {e.mode}" + (f" ({r.phase})" if r.phase else "") if e else "-"
+        filled = f"{e.prev_site} @ fwd {e.prev_forward_id} {e.prev_mode}" if e and e.prev_site else "-"
+        kind = "benign" if r.benign else "BUG"
+        instance = f"{r.instance or '-':<{width}}" if show_instance else ""
+        lines.append(f"{instance}{r.policy:<12}{r.site:<16}{r.classification:<21}{kind:<8}{r.count:>5}  "
+                     f"{seen:<40}{filled}")
+        if e is not None:
+            indent = " " * (width + 12)
+            if e.cause:
+                lines.append(f"{indent}cause: {e.cause}")
+            if e.stack:
+                lines.append(f"{indent}stack: {_stack(e.stack)}")
+            lines.append(f"{indent}fix:   {suggest_fix(e)}")
+    return lines
+
+
+def render_verdict(totals: dict, failures: list[str], exit_status: int) -> list[str]:
+    """The closing lines: event totals, the exit status, and each failure."""
+    lines = [f"non-benign events: {totals['non_benign_events']}, benign: {totals['benign_events']}, "
+             f"failures: {len(failures)} -> exit {exit_status}"]
+    return lines + [f"  FAIL {f}" for f in failures]
 
 
 @dataclass
@@ -117,13 +166,7 @@ class Report:
         return 1 if self.failures else 0
 
     def totals(self) -> dict:
-        by_class: dict[str, int] = {}
-        for r in self.rows:
-            by_class[r.classification] = by_class.get(r.classification, 0) + r.count
-        return {"non_benign_events": sum(r.count for r in self.rows if not r.benign),
-                "benign_events": sum(r.count for r in self.rows if r.benign),
-                "by_classification": by_class,
-                "output_mismatches": sum(len(p.mismatches) for p in self.policies),
+        return {**row_totals(self.rows), "output_mismatches": sum(len(p.mismatches) for p in self.policies),
                 "failures": len(self.failures)}
 
     def as_dict(self) -> dict:
@@ -150,32 +193,12 @@ def render(report: Report) -> str:
         cov = report.policies[0].result.coverage
         lines.append(f"workload per policy ({', '.join(PHASES)}): " + ", ".join(f"{k} {v}" for k, v in cov.items()))
     lines.append("")
-    header = (f"{'policy':<12}{'site':<16}{'classification':<21}{'kind':<8}{'count':>5}  "
-              f"{'first seen':<40}filled by")
-    lines += [header, "-" * (len(header) + 30)]
-    if not report.rows:
-        lines.append("(no key-change events)")
-    for r in report.rows:
-        e = r.first
-        seen = f"fwd {e.forward_id} {e.mode} ({r.phase})" if e else "-"
-        filled = f"{e.prev_site} @ fwd {e.prev_forward_id} {e.prev_mode}" if e and e.prev_site else "-"
-        kind = "benign" if r.benign else "BUG"
-        lines.append(f"{r.policy:<12}{r.site:<16}{r.classification:<21}{kind:<8}{r.count:>5}  {seen:<40}{filled}")
-        if e is not None:
-            indent = " " * 12
-            if e.cause:
-                lines.append(f"{indent}cause: {e.cause}")
-            if e.stack:
-                lines.append(f"{indent}stack: {_stack(e.stack)}")
-            lines.append(f"{indent}fix:   {suggest_fix(e)}")
+    lines += render_rows(report.rows)
     lines.append("")
     for p in report.policies:
         n = p.result.stale_guard_misses
         recomputed = f" ({n} stale {'entry' if n == 1 else 'entries'} recomputed)" if n else ""
         lines.append(f"outputs {p.policy:<12}{'equal' if not p.mismatches else 'DIFFER'} vs {p.reference}{recomputed}")
         lines += [f"{'':<20}{m.describe()}" for m in p.mismatches]
-    totals = report.totals()
-    lines += ["", f"non-benign events: {totals['non_benign_events']}, benign: {totals['benign_events']}, "
-                  f"failures: {totals['failures']} -> exit {report.exit_status}"]
-    lines += [f"  FAIL {f}" for f in report.failures]
+    lines += ["", *render_verdict(report.totals(), report.failures, report.exit_status)]
     return "\n".join(lines)
