@@ -234,6 +234,14 @@ def kv_memory() -> list[dict[str, Any]]:
                 target(f"sum({rate(n.HICACHE_LOADBACKS)})", "loadbacks"),
             ],
         ),
+        timeseries(
+            "Retractions by kind",
+            "Running requests taken off the device per second because the pools ran out: offloaded to the host "
+            "tier, or dropped to be recomputed (prefill paid again). A steady rate means the pools are too small "
+            "for the concurrency admitted.",
+            "ops",
+            [target(f"sum by (kind) ({rate(n.RETRACTIONS)})", "{{kind}}")],
+        ),
     ]
 
 

@@ -71,4 +71,4 @@ class Req:
 
     @property
     def done(self) -> bool:
-        return self.status in ("finished", "aborted", "rejected")
+        return self.status in ("finished", "aborted", "rejected", "refused", "error")

@@ -60,6 +60,7 @@ class Engine:
         self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.observer = observer
+        self._failure_logs = RateLimiter(interval_s=60.0)  # a failing request per step must not flood the log
 
     @property
     def context_length(self) -> int:
@@ -116,9 +117,9 @@ class Engine:
                 try:
                     tokens.extend(sample(row[None], [r.params], self.generator))
                 except Exception as exc:  # noqa: BLE001
-                    log.warning("sampling_failed", error=type(exc).__name__)
-                    self.scheduler.abort(r.rid, status="error", reason="error",
-                                         message=f"sampling failed: {type(exc).__name__}")
+                    if self._failure_logs.allow("sampling_failed"):
+                        log.warning("sampling_failed", error=f"{type(exc).__name__}: {exc}")
+                    self.scheduler.abort(r.rid, status="error", reason="error", message=f"sampling failed: {exc}")
                     tokens.append(-1)  # skipped: the request is done
             return tokens
 

@@ -107,6 +107,12 @@ class TelemetryCollector:
         yield _counter(
             names.HICACHE_LOADBACKS, "Requests whose KV was loaded back from host memory.", s.hicache_loadbacks
         )
+        retractions = CounterMetricFamily(
+            names.RETRACTIONS, "Running requests taken off the device under pool pressure, by kind.", labels=["kind"]
+        )
+        for kind, n in s.retraction_counts.items():
+            retractions.add_metric([kind], n)
+        yield retractions
 
     def _requests(self) -> Iterator[Metric]:
         s = self._stats

@@ -21,6 +21,7 @@ KV_TOKENS = PREFIX + "kv_tokens"
 SWA_EVICTED_TOKENS = PREFIX + "swa_evicted_tokens_total"
 HICACHE_OFFLOADS = PREFIX + "hicache_offloads_total"
 HICACHE_LOADBACKS = PREFIX + "hicache_loadbacks_total"
+RETRACTIONS = PREFIX + "retractions_total"
 
 # Requests
 REQUESTS_TOTAL = PREFIX + "requests_total"
@@ -72,6 +73,9 @@ KV_STATES = ("used", "available", "total")
 # finished; aborted (by the client, or cut by shutdown); rejected (invalid, at admission); refused (overload:
 # the waiting queue was full, never admitted); error (the engine failed the request).
 REQUEST_STATUSES = ("finished", "aborted", "rejected", "refused", "error")
+# How a running request was taken off the device under pool pressure: its KV offloaded to the host tier, or
+# dropped to be recomputed.
+RETRACTION_KINDS = ("offload", "recompute")
 LOG_EVENT_NAMES = ("loc_key_change", OTHER)
 
 
@@ -97,6 +101,7 @@ INVALIDATION_SITE_LABELS = with_other(INVALIDATION_SITES)
 TRANSLATE_SITE_LABELS = with_other(TRANSLATE_SITES)
 FORWARD_MODE_LABELS = with_other(FORWARD_MODES)
 REQUEST_STATUS_LABELS = with_other(REQUEST_STATUSES)
+RETRACTION_KIND_LABELS = with_other(RETRACTION_KINDS)
 LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
 # kv_tokens is a gauge read from the pools at scrape time: exactly KV_POOLS x KV_STATES, no `other`.
 

@@ -177,6 +177,7 @@ class EngineStats:
         self.swa_evicted_tokens = 0
         self.hicache_offloads = 0
         self.hicache_loadbacks = 0
+        self.retraction_counts: dict[str, int] = dict.fromkeys(names.RETRACTION_KIND_LABELS, 0)
         self.request_counts: dict[str, int] = dict.fromkeys(names.REQUEST_STATUS_LABELS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -218,6 +219,12 @@ class EngineStats:
 
     def add_hicache_loadbacks(self, n: int = 1) -> None:
         self.hicache_loadbacks += n
+
+    def record_retraction(self, kind: str) -> None:
+        try:
+            self.retraction_counts[kind] += 1
+        except KeyError:
+            self.retraction_counts[fold(kind, names.RETRACTION_KIND_LABELS)] += 1
 
     def log_suppressed(self, event: str) -> None:
         try:

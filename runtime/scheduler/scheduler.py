@@ -245,8 +245,10 @@ class Scheduler:
         if self.slots.can_offload(len(r.locs)):
             r.offloaded = self.slots.offload(r.locs, r.swa_released_upto)
             self.stats.add_hicache_offloads(1)
+            self.stats.record_retraction("offload")
         else:
             r.swa_released_upto = 0  # recompute from scratch
+            self.stats.record_retraction("recompute")
         self._free_slots(r)
         r.status = "waiting"
         self.waiting.appendleft(r)

@@ -51,6 +51,7 @@ class FakeRuntime:
         self.evicted = Counter(n.SWA_EVICTED_TOKENS, "evicted", registry=r)
         self.offloads = Counter(n.HICACHE_OFFLOADS, "offloads", registry=r)
         self.loadbacks = Counter(n.HICACHE_LOADBACKS, "loadbacks", registry=r)
+        self.retractions = Counter(n.RETRACTIONS, "retractions", ["kind"], registry=r)
         self.requests = Counter(n.REQUESTS_TOTAL, "requests", ["status"], registry=r)
         self.prompt = Counter(n.PROMPT_TOKENS, "prompt", registry=r)
         self.generated = Counter(n.GENERATION_TOKENS, "gen", registry=r)
@@ -79,6 +80,8 @@ class FakeRuntime:
             self.forward_seconds.labels(mode)
         for status in n.REQUEST_STATUSES:
             self.requests.labels(status)
+        for kind in n.RETRACTION_KINDS:
+            self.retractions.labels(kind)
         for event in n.LOG_EVENT_NAMES:
             self.suppressed.labels(event)
         for pool, total in (("full", 16384), ("swa", 4096)):
@@ -112,6 +115,7 @@ class FakeRuntime:
         if self.step % 5 == 0:
             self.offloads.inc()
             self.loadbacks.inc()
+            self.retractions.labels("offload").inc()
         self.kv.labels("full", "used").set(2000 + 10 * self.step)
         self.kv.labels("full", "available").set(16384 - 2000 - 10 * self.step)
         self.kv.labels("swa", "used").set(1024)

@@ -130,11 +130,13 @@ def test_decode_under_pool_pressure_retracts_the_newest_to_host_or_recomputes_an
     assert [r.output_ids for r in rs] == [expected_output(r.prompt_ids, 12) for r in rs]
     if hicache:
         assert stats.hicache_offloads > 0 and stats.hicache_loadbacks == stats.hicache_offloads
+        assert stats.retraction_counts == {"offload": stats.hicache_offloads, "recompute": 0, "other": 0}
         assert s.slots.allocator.mapping_generation == stats.hicache_loadbacks  # one registered rebuild each
         reloaded = [b for b in batches if any(b.fresh_rows) and b.prefix_lens[b.fresh_rows.index(True)] > 0]
         assert reloaded, "a loaded-back request must come back on a fresh row with its cached prefix"
     else:
-        assert stats.hicache_offloads == 0
+        assert stats.hicache_offloads == 0 and stats.retraction_counts["offload"] == 0
+        assert stats.retraction_counts["recompute"] > 0
         recomputed = sum(b.num_tokens for b in batches if not b.is_decode) - sum(lens)
         assert recomputed > 0  # the retracted requests' prompts and outputs were prefilled again
     s.assert_idle_clean()

@@ -106,8 +106,6 @@ def test_a_request_whose_sampling_fails_ends_alone_with_status_error(poisoned_ru
     assert added == {"finished": 3, "error": 1}
 
 
-@pytest.mark.xfail(strict=True, reason="Req.done (runtime/core.py) leaves out status `error`, so Scheduler.process "
-                                       "still appends the failed request's placeholder token and counts it")
 def test_a_failed_request_gets_no_token_after_it_ended(poisoned_run):
     assert poisoned_run[3] == 3 * NEW
 

@@ -42,6 +42,7 @@ LABELLED_COUNTERS = {
     names.LOC_TRANSLATIONS: series(("policy",), names.POLICIES),
     names.FORWARD_TOTAL: series(("mode",), names.FORWARD_MODE_LABELS),
     names.REQUESTS_TOTAL: series(("status",), names.REQUEST_STATUS_LABELS),
+    names.RETRACTIONS: series(("kind",), names.RETRACTION_KIND_LABELS),
     names.LOG_EVENTS_SUPPRESSED: series(("event",), names.LOG_EVENT_LABELS),
 }
 PLAIN_COUNTERS = (
@@ -63,6 +64,7 @@ def test_exposed_label_sets_are_the_contract_sets_plus_other():
         (names.TRANSLATE_SITES, names.TRANSLATE_SITE_LABELS),
         (names.FORWARD_MODES, names.FORWARD_MODE_LABELS),
         (names.REQUEST_STATUSES, names.REQUEST_STATUS_LABELS),
+        (names.RETRACTION_KINDS, names.RETRACTION_KIND_LABELS),
         (names.LOG_EVENT_NAMES, names.LOG_EVENT_LABELS),
     ]:
         assert set(exposed) == set(contract) | {names.OTHER}
@@ -143,6 +145,10 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
     stats.add_evicted_tokens(512)
     stats.add_hicache_offloads()
     stats.add_hicache_loadbacks(2)
+    stats.record_retraction("offload")
+    stats.record_retraction("recompute")
+    stats.record_retraction("recompute")
+    stats.record_retraction("swapped_to_disk")
     stats.log_suppressed(names.LOC_KEY_CHANGE_EVENT)
     gauges.kv = {("full", "used"): 30, ("swa", "available"): 7, ("mystery", "used"): 99}
     gauges.queue = (3, 8)
@@ -209,6 +215,8 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
     assert s[names.SWA_EVICTED_TOKENS] == {(): 512.0}
     assert s[names.HICACHE_OFFLOADS] == {(): 1.0}
     assert s[names.HICACHE_LOADBACKS] == {(): 2.0}
+    assert s[names.RETRACTIONS] == {(("kind", "offload"),): 1.0, (("kind", "recompute"),): 2.0,
+                                    (("kind", "other"),): 1.0}
     assert value(names.LOG_EVENTS_SUPPRESSED, event="loc_key_change") == 1
     assert value(names.LOG_EVENTS_SUPPRESSED, event="other") == 0
     # Unknown pools from the callback are ignored; missing pairs read 0.
