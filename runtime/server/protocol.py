@@ -2,7 +2,7 @@
 
 Bodies are validated in strict mode on the parsed JSON: `"16"` or `16.5` is not a token count and `1` is
 not a boolean. Unknown fields are refused rather than silently ignored, so that a misspelt or unsupported
-option (`stop`, `logprobs`, ...) gets an error naming it instead of a completion that ignored it.
+option (`logprobs`, `best_of`, ...) gets an error naming it instead of a completion that ignored it.
 
 Before the schema sees a body, `parse_json` refuses what JSON parsing alone would let through or crash on:
 non-UTF-8 bytes, `NaN`/`Infinity`, integers over Python's digit limit, nesting deeper than
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from runtime.core import SamplingParams
 
@@ -25,13 +25,36 @@ from runtime.core import SamplingParams
 MAX_NEW_TOKENS_CAP = 131072
 # Request bodies are two levels deep (`{"sampling_params": {...}}`); far deeper is an attack on a parser.
 MAX_JSON_DEPTH = 32
+# OpenAI's limit on stop strings; the length cap bounds the text held back while a stop string may be forming.
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 256
 
 
-class _Strict(BaseModel):
+class StrictBody(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class SamplingParamsIn(_Strict):
+def _check_stop(value: str | list[str] | None) -> str | list[str] | None:
+    stops = [value] if isinstance(value, str) else value or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings (got {len(stops)})")
+    for s in stops:
+        if not s:
+            raise ValueError("a stop string must not be empty")
+        if len(s) > MAX_STOP_CHARS:
+            raise ValueError(f"a stop string is at most {MAX_STOP_CHARS} characters (got {len(s)})")
+    return value
+
+
+# OpenAI's `stop`: one string or up to four; the output ends before the first one generated.
+Stop = Annotated[str | list[str] | None, AfterValidator(_check_stop)]
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    return (stop,) if isinstance(stop, str) else tuple(stop or ())
+
+
+class SamplingParamsIn(StrictBody):
     max_new_tokens: int = Field(128, ge=1, le=MAX_NEW_TOKENS_CAP)
     temperature: float = Field(0.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -43,13 +66,40 @@ class SamplingParamsIn(_Strict):
                               top_p=self.top_p, top_k=self.top_k, ignore_eos=self.ignore_eos)
 
 
-class GenerateRequest(_Strict):
-    """`POST /generate`: exactly one of `text` (tokenized with BOS) or `input_ids`."""
+def _exactly(expected: bool) -> AfterValidator:
+    def check(value: bool) -> bool:
+        if value is not expected:
+            raise ValueError(f"only {json.dumps(expected)} is supported by this server")
+        return value
+
+    return AfterValidator(check)
+
+
+# Fields the SGLang router adds to the bodies it forwards (runtime/server/router_compat.py), accepted only at
+# the value that describes what this server does.
+OnlyFalse = Annotated[bool, _exactly(False)]
+OnlyTrue = Annotated[bool, _exactly(True)]
+MAX_RID_CHARS = 128
+
+
+class GenerateRequest(StrictBody):
+    """`POST /generate`: exactly one of `text` (tokenized with BOS) or `input_ids`. `rid` names the request
+    (reported as `meta.id`, taken by /abort_request)."""
 
     text: str | None = None
     input_ids: list[int] | None = None
     sampling_params: SamplingParamsIn = Field(default_factory=SamplingParamsIn)
     stream: bool = False
+    rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
+    model: str | None = None  # None: the served model
+    # The SGLang router adds these to every body it forwards, at these defaults.
+    return_text_in_logprobs: bool = False  # no logprobs are returned: inert
+    log_metrics: bool = True  # requests are always counted
+    no_logs: bool = False  # request contents are logged only with --log-requests
+    return_hidden_states: OnlyFalse = False
+    background: OnlyFalse = False
+    return_bytes: OnlyFalse = False
+    return_entropy: OnlyFalse = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -58,7 +108,7 @@ class GenerateRequest(_Strict):
         return self
 
 
-class CompletionRequest(_Strict):
+class CompletionRequest(StrictBody):
     """`POST /v1/completions` (OpenAI-compatible subset; `top_k` and `ignore_eos` are extensions)."""
 
     model: str | None = None  # None: the served model
@@ -68,9 +118,15 @@ class CompletionRequest(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)
     n: int = Field(1, ge=1, le=1)
+    stop: Stop = None
     stream: bool = False
     ignore_eos: bool = False
     user: str | None = None  # accepted for compatibility, unused
+    # The SGLang router adds these to every body it forwards, at these defaults.
+    echo: OnlyFalse = False
+    no_stop_trim: OnlyFalse = False
+    skip_special_tokens: OnlyTrue = True
+    return_hidden_states: OnlyFalse = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -84,6 +140,20 @@ class CompletionRequest(_Strict):
     def to_params(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, ignore_eos=self.ignore_eos)
+
+
+class AbortRequest(StrictBody):
+    """`POST /abort_request` (SGLang's): abort the live requests known by `rid` (the client's id or ours),
+    or every live request."""
+
+    rid: str | None = Field(None, min_length=1, max_length=MAX_RID_CHARS)
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _one_target(self) -> "AbortRequest":
+        if (self.rid is None) != self.abort_all:
+            raise ValueError("give exactly one of `rid` or `abort_all: true`")
+        return self
 
 
 # ---- errors ----------------------------------------------------------------------------------------------
@@ -100,6 +170,16 @@ class APIError(Exception):
 
 def error_body(status: int, message: str, type_: str) -> dict:
     return {"error": {"message": message, "type": type_, "code": status}}
+
+
+def failure_of(finish_reason: str | None, message: str | None) -> tuple[int, str, str] | None:
+    """(status, message, type) of a request the server ended: an engine error, or a shutdown abort (an
+    abort with a message; a client's own abort has none, and nobody is left to read it)."""
+    if finish_reason == "error":
+        return 500, message or "engine error", "internal_error"
+    if finish_reason == "abort" and message:
+        return 503, message, "service_unavailable"
+    return None
 
 
 def parse_json(raw: bytes) -> Any:
@@ -153,7 +233,7 @@ def _check_text(text: str, where: str) -> None:
                             f"character {exc.start}; strings must be valid UTF-8 text") from None
 
 
-def validate(model: type[_Strict], data: Any) -> Any:
+def validate(model: type[StrictBody], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -211,10 +291,14 @@ def completion_body(rid: str, created: int, model: str, text: str, finish_reason
     body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
     if usage is not None:
-        prompt, completion = usage
-        body["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                         "total_tokens": prompt + completion}
+        body["usage"] = usage_body(usage)
     return body
+
+
+def usage_body(usage: tuple[int, int]) -> dict:
+    """OpenAI's `usage` of (prompt tokens, completion tokens)."""
+    prompt, completion = usage
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def models_body(model: str, created: int, max_model_len: int) -> dict:
