@@ -1,4 +1,4 @@
-"""The FastAPI app: /generate, /v1/completions, /v1/models, /metrics, /health.
+"""The FastAPI app: /generate, /v1/completions, /v1/chat/completions, /v1/models, /metrics, /health.
 
 Handlers never touch the scheduler: they submit to the `EngineLoop` and read the request's stream. A client
 that disconnects (streaming or not) aborts its request, which frees its KV slots. Every error is answered
@@ -12,7 +12,7 @@ as `{"error": {"message", "type", "code"}}`:
 | 408 | headers or body too slow (`connections.py`, `body.py`) |
 | 413 | a body over `--max-request-bytes` |
 | 415 | a POST without `Content-Type: application/json` |
-| 422 | a body that breaks the schema |
+| 422 | a body that breaks the schema (also an option the server does not support, named) |
 | 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
 | 500 | the engine failed the request |
 | 503 | draining, the engine thread stopped, the request was cut by shutdown, or too many connections |
@@ -39,12 +39,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
-from runtime.server import protocol
+from runtime.server import chat, protocol
 from runtime.server.body import read_body, require_json
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
 from runtime.server.options import ServerOptions
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
+from runtime.server.stops import TextDeltas, text_pieces
 from telemetry.collector import make_registry
 
 # No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
@@ -150,10 +151,30 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
             result = await _until_disconnect(stream.collect(), request)
         if result is None:  # client gone; nobody reads this response
             return stream
-        failure = _failure(stream.finish_reason, stream.message)
+        failure = protocol.failure_of(stream.finish_reason, stream.message)
         if failure is not None:
             raise APIError(*failure)
         return stream
+
+    async def collect_text(stream: RequestStream, request: Request, stops: tuple[str, ...]) -> tuple[str, str]:
+        """(text, finish reason) of the whole output, cut at the first stop string (the request then ends at
+        once); aborts the request if the client disconnects first."""
+        async def read() -> tuple[str, str]:
+            parts, reason = [], ""
+            async for piece in text_pieces(stream, tokenizer, stops):
+                if piece.failure is not None:
+                    raise APIError(*piece.failure)
+                parts.append(piece.text)
+                reason = piece.finish_reason or reason
+            return "".join(parts), reason
+
+        async with stream:
+            result = await _until_disconnect(read(), request)
+        return result if result is not None else ("", "abort")  # client gone; nobody reads this response
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error")
 
     # ---- routes ------------------------------------------------------------------------------------------
     @app.post("/generate")
@@ -173,20 +194,36 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, protocol.CompletionRequest)
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"model {body.model!r} not found; this server serves {model_name!r}",
-                           "not_found_error")
+        check_model(body.model)
         params = body.to_params()
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
+        stops = protocol.stop_strings(body.stop)
         stream = await engine_loop.submit(prompt_ids, params)
         now = int(time.time())
         if body.stream:
-            return SSEResponse(_completion_events(stream, tokenizer, model_name, now), on_close=stream.abort)
-        await collect(stream, request)
-        return JSONResponse(protocol.completion_body(
-            stream.rid, now, model_name, tokenizer.decode(stream.output_ids), stream.finish_reason,
-            (stream.prompt_tokens, len(stream.output_ids))))
+            return SSEResponse(_completion_events(stream, tokenizer, model_name, now, stops), on_close=stream.abort)
+        text, reason = await collect_text(stream, request, stops)
+        return JSONResponse(protocol.completion_body(stream.rid, now, model_name, text, reason,
+                                                     (stream.prompt_tokens, len(stream.output_ids))))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        body = await parse(request, chat.ChatCompletionRequest)
+        check_model(body.model)
+        engine_loop.check_admission()
+        asked = body.max_new_tokens()
+        prompt_ids = await prompt_of(chat.render(body.messages), asked or 1)
+        params = body.to_params(asked or context_length - len(prompt_ids))  # default: what the context leaves
+        stops = body.stop_strings()
+        stream = await engine_loop.submit(prompt_ids, params)
+        now = int(time.time())
+        if body.stream:
+            return SSEResponse(chat.chat_events(stream, tokenizer, model_name, now, stops, body.include_usage),
+                               on_close=stream.abort)
+        text, reason = await collect_text(stream, request, stops)
+        return JSONResponse(chat.chat_body(stream.rid, now, model_name, text, reason,
+                                           (stream.prompt_tokens, len(stream.output_ids))))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -209,16 +246,6 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
 def _parse_validate(model: type, raw: bytes) -> Any:
     return protocol.validate(model, protocol.parse_json(raw))
-
-
-def _failure(finish_reason: str | None, message: str | None) -> tuple[int, str, str] | None:
-    """(status, message, type) of a request the server ended: an engine error, or a shutdown abort (an
-    abort with a message; a client's own abort has none, and nobody is left to read it)."""
-    if finish_reason == "error":
-        return 500, message or "engine error", "internal_error"
-    if finish_reason == "abort" and message:
-        return 503, message, "service_unavailable"
-    return None
 
 
 # ---- streaming -------------------------------------------------------------------------------------------
@@ -251,37 +278,13 @@ class SSEResponse(StreamingResponse):
                 await self.body_iterator.aclose()
 
 
-class TextDeltas:
-    """Incremental detokenization: the text each new batch of tokens adds. Held back while the decoded text
-    ends in U+FFFD (an unfinished multi-byte character); `final=True` flushes whatever is left. Decodes a
-    short window (from the last emitted boundary), so that a long completion costs linear, not quadratic,
-    work; the concatenated deltas equal `decode(all ids)` as long as the decoder is prefix-stable at
-    boundaries where the text was complete."""
-
-    def __init__(self, tokenizer):
-        self._tok = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0  # ids already turned into text
-
-    def push(self, ids: tuple[int, ...], final: bool = False) -> str:
-        self._ids.extend(ids)
-        before = self._tok.decode(self._ids[self._prefix:self._read])
-        after = self._tok.decode(self._ids[self._prefix:])
-        if not final and (after.endswith("\ufffd") or len(after) <= len(before)):
-            return ""
-        delta = after[len(before):] if after.startswith(before) else after
-        self._prefix, self._read = self._read, len(self._ids)
-        return delta
-
-
 async def _sse_events(stream: RequestStream, tokenizer, body: Callable[[str, Any], dict]) -> AsyncIterator[bytes]:
     """SSE chunks of one request's stream; `body(text_delta, event)` shapes a chunk for its endpoint. A
     request the server ended (engine error, shutdown) sends its last tokens, then an error event."""
     text = TextDeltas(tokenizer)
     async with stream:
         async for ev in stream:
-            failure = _failure(ev.finish_reason, ev.message)
+            failure = protocol.failure_of(ev.finish_reason, ev.message)
             if failure is None:
                 yield protocol.sse(body(text.push(ev.token_ids, final=ev.finish_reason is not None), ev))
                 continue
@@ -296,12 +299,21 @@ def _generate_events(stream: RequestStream, tokenizer) -> AsyncIterator[bytes]:
         stream.rid, delta, list(ev.token_ids), stream.prompt_tokens, len(stream.output_ids), ev.finish_reason))
 
 
-def _completion_events(stream: RequestStream, tokenizer, model: str, created: int) -> AsyncIterator[bytes]:
-    def body(delta: str, ev) -> dict:
-        usage = (stream.prompt_tokens, len(stream.output_ids)) if ev.finish_reason is not None else None
-        return protocol.completion_body(stream.rid, created, model, delta, ev.finish_reason, usage)
-
-    return _sse_events(stream, tokenizer, body)
+async def _completion_events(stream: RequestStream, tokenizer, model: str, created: int,
+                             stops: tuple[str, ...]) -> AsyncIterator[bytes]:
+    """`text_completion` chunks as the text arrives, cut at the first stop string; the last carries the
+    finish reason and the usage. A request the server ended gets an error event instead."""
+    async with stream:
+        async for piece in text_pieces(stream, tokenizer, stops):
+            if piece.failure is not None:
+                if piece.text:
+                    yield protocol.sse(protocol.completion_body(stream.rid, created, model, piece.text, None, None))
+                yield protocol.sse(protocol.error_body(*piece.failure))
+                break
+            usage = (stream.prompt_tokens, len(stream.output_ids)) if piece.finish_reason is not None else None
+            yield protocol.sse(protocol.completion_body(stream.rid, created, model, piece.text, piece.finish_reason,
+                                                        usage))
+    yield protocol.SSE_DONE
 
 
 async def _until_disconnect(work: Awaitable, request: Request):
