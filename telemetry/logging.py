@@ -23,8 +23,23 @@ from telemetry.stats import EngineStats
 LOGGER_NAME = "swa_runtime.telemetry"
 
 
-def configure_logging(fmt: str = "json", level: str | int = "INFO", stream: TextIO | None = None) -> None:
-    """Configure structlog process-wide: contextvars, level, ISO UTC timestamp, then JSON or console output."""
+class AddInstance:
+    """Stamps every record with the replica that made it, so that the logs of several replicas read together
+    (`diagnose --from-log`, a log pipeline) stay attributable. Use the value Prometheus gives the replica's
+    `instance` label (`host:port` of its /metrics), so that logs and metrics name a replica alike."""
+
+    def __init__(self, instance: str):
+        self.instance = instance
+
+    def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+        event_dict.setdefault("instance", self.instance)
+        return event_dict
+
+
+def configure_logging(fmt: str = "json", level: str | int = "INFO", stream: TextIO | None = None,
+                      instance: str | None = None) -> None:
+    """Configure structlog process-wide: contextvars, level, ISO UTC timestamp, the `instance` field when
+    given (see `AddInstance`), then JSON or console output."""
     if fmt not in ("json", "console"):
         raise ValueError(f"log format must be 'json' or 'console', got {fmt!r}")
     level_no = level if isinstance(level, int) else logging.getLevelName(level.upper())
@@ -37,6 +52,8 @@ def configure_logging(fmt: str = "json", level: str | int = "INFO", stream: Text
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         structlog.processors.StackInfoRenderer(),
     ]
+    if instance is not None:
+        processors.append(AddInstance(instance))
     if fmt == "json":
         processors += [structlog.processors.format_exc_info, structlog.processors.JSONRenderer()]
     else:
