@@ -8,6 +8,7 @@ without threading them through the call chain. Bug-class events are logged at WA
 from __future__ import annotations
 
 import logging
+import socket
 import sys
 from typing import Any, TextIO
 
@@ -34,6 +35,15 @@ class AddInstance:
     def __call__(self, logger: Any, method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
         event_dict.setdefault("instance", self.instance)
         return event_dict
+
+
+def instance_of(host: str, port: int) -> str:
+    """The `instance` of a server bound to `host:port`: that address, or for a wildcard bind (0.0.0.0, ::)
+    this machine's host name, which is what deployments scrape it by (a compose service's `hostname`, a
+    Kubernetes pod name relabelled into `instance`), so that no two replicas log the same instance."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    return f"{host}:{port}"
 
 
 def configure_logging(fmt: str = "json", level: str | int = "INFO", stream: TextIO | None = None,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import io
 import json
+import socket
 
 import structlog
 
 from runtime.diagnose.from_log import diagnose_logs
 from telemetry import names
-from telemetry.logging import bind_forward, configure_logging
+from telemetry.logging import bind_forward, configure_logging, instance_of
 
 
 def records(instance: str | None) -> list[dict]:
@@ -45,3 +46,8 @@ def test_two_replicas_in_one_interleaved_log_are_told_apart(tmp_path):
     report = diagnose_logs([str(mixed)]).as_dict()
     rows = [(r["instance"], r["classification"], r["count"]) for r in report["rows"]]
     assert sorted(rows) == [("127.0.0.1:30001", "stale_loc", 1), ("127.0.0.1:30002", "stale_loc", 1)]
+
+
+def test_instance_is_the_bound_address_or_the_host_name_for_a_wildcard():
+    assert instance_of("127.0.0.1", 30001) == "127.0.0.1:30001"
+    assert instance_of("0.0.0.0", 30000) == instance_of("::", 30000) == f"{socket.gethostname()}:30000"
