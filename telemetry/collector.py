@@ -162,12 +162,17 @@ def _add_histogram(family: HistogramMetricFamily, labels: list[str], hist: Plain
 
 def make_registry(stats: EngineStats, *, process_collectors: bool = False) -> CollectorRegistry:
     """A fresh registry holding only our collector (plus process/platform/GC collectors when asked)."""
-    registry = CollectorRegistry()
+    registry = process_registry() if process_collectors else CollectorRegistry()
     registry.register(TelemetryCollector(stats))
-    if process_collectors:
-        from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+    return registry
 
-        ProcessCollector(registry=registry)
-        PlatformCollector(registry=registry)
-        GCCollector(registry=registry)
+
+def process_registry() -> CollectorRegistry:
+    """A fresh registry of this process's own collectors (CPU, memory, file descriptors, platform, GC)."""
+    from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
+
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
     return registry

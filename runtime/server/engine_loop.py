@@ -34,7 +34,10 @@ from typing import Any
 
 import structlog
 
+from prometheus_client import generate_latest
+
 from runtime.core import Req, RequestError, SamplingParams
+from telemetry.collector import make_registry
 from telemetry.ratelimit import RateLimiter
 
 log = structlog.get_logger("swa_runtime.server")
@@ -120,6 +123,7 @@ class RequestStream:
 
 
 class EngineLoop:
+    DOWN_MESSAGE = "the engine thread is not running"
     def __init__(self, engine, *, max_queued_requests: int = 256, log_requests: bool = False,
                  failure_log_interval_s: float = 60.0, logger: Any = None):
         """`max_queued_requests`: how many requests may wait beyond the running batch's free places before
@@ -145,6 +149,26 @@ class EngineLoop:
         self._step_failures = 0
         self._failure_limiter = RateLimiter(interval_s=failure_log_interval_s)
         self._failures_suppressed = 0
+        self._registry = None  # built on the first scrape
+
+    # ---- what the front end reads ------------------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    def queue_sizes(self) -> tuple[int, int]:
+        """(running, waiting), read without the engine thread's cooperation."""
+        return self.scheduler.num_running(), self.scheduler.num_waiting()
+
+    async def exposition(self) -> bytes:
+        """The engine's metrics in the Prometheus text format (read at scrape time from plain counters)."""
+        if self._registry is None:
+            self._registry = make_registry(self.engine.stats)
+        return generate_latest(self._registry)
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -152,6 +176,15 @@ class EngineLoop:
             raise RuntimeError("EngineLoop.start() called twice")
         self._thread = threading.Thread(target=self._run, name="swa-runtime-engine", daemon=True)
         self._thread.start()
+
+    def run_in_this_thread(self, on_started: Callable[[], None] = lambda: None) -> None:
+        """Run the loop on the calling thread until shutdown (the engine process's main thread, which also
+        built the engine: all torch work stays on one thread). `on_started` runs once posts are accepted."""
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._thread = threading.current_thread()
+        on_started()
+        self._run()
 
     @property
     def started(self) -> bool:
@@ -187,7 +220,7 @@ class EngineLoop:
         """Raise what `submit()` would raise before looking at the request: EngineUnavailable or Overloaded
         (counted `refused`). Cheap; call it before expensive work such as tokenizing."""
         if not self.alive:
-            raise EngineUnavailable("the engine thread is not running")
+            raise EngineUnavailable(self.DOWN_MESSAGE)
         if not self._accepting:
             raise EngineUnavailable("the server is shutting down and accepts no new requests")
         if self.backlog() >= self.max_queued_requests:
@@ -227,15 +260,21 @@ class EngineLoop:
                 pass
 
         req = Req(list(prompt_ids), params, on_token=lambda r, t: push(t),
-                  on_finish=lambda r: push(self._final_of(r)))
-        admitted: concurrent.futures.Future = concurrent.futures.Future()
-        self._post(("add", req, admitted), adding=True)
+                  on_finish=lambda r: push(self.final_of(r)))
+        admitted = self.post_add(req)
         try:
             await asyncio.wrap_future(admitted)
         except asyncio.CancelledError:
             self.abort(req.rid)  # the client left while we waited; the add may still land
             raise
         return RequestStream(self, req, queue)
+
+    def post_add(self, req: Req) -> concurrent.futures.Future:
+        """Hand `req` to the engine thread; the future resolves when the scheduler accepted it (or raises
+        what refused it). Its `on_finish` must report `final_of(req)`."""
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        self._post(("add", req, admitted), adding=True)
+        return admitted
 
     def abort(self, rid: str) -> None:
         try:
@@ -252,7 +291,7 @@ class EngineLoop:
     def _post(self, item: tuple, adding: bool = False) -> None:
         with self._lock:
             if self._closed or self._thread is None:
-                raise EngineUnavailable("the engine thread is not running")
+                raise EngineUnavailable(self.DOWN_MESSAGE)
             self._inbox.append(item)
             if adding:
                 self._pending_adds += 1
@@ -367,7 +406,7 @@ class EngineLoop:
                     r.on_finish(r)
             self._notes.pop(r.rid, None)
 
-    def _final_of(self, r: Req) -> _Final:
+    def final_of(self, r: Req) -> _Final:
         """Called from on_finish on the engine thread: forget the request and say how it ended."""
         self._live.pop(r.rid, None)
         note = self._notes.pop(r.rid, None)

@@ -1,4 +1,7 @@
-"""`swa-runtime serve`: load the engine, serve it with uvicorn, drain on SIGTERM/SIGINT.
+"""`swa-runtime serve`: start the engine in its own process, serve it with uvicorn, drain on SIGTERM/SIGINT.
+
+This process is the front end: it tokenizes, streams and serves `/metrics`; the engine process does every
+forward on its own main thread (`runtime/server/engine_process.py`).
 
 On the first SIGTERM or SIGINT the engine stops admitting (new requests get 503), running requests may
 finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503
@@ -15,14 +18,14 @@ import sys
 import uvicorn
 
 from runtime.options import engine_config
-from runtime.server.engine_loop import EngineLoop
+from runtime.server.engine_process import EngineProcess
 from runtime.server.options import ServerOptions
 
 
 class _DrainingServer(uvicorn.Server):
     """uvicorn, but its exit signal first tells the engine to stop admitting and start draining."""
 
-    def __init__(self, config: uvicorn.Config, engine_loop: EngineLoop, shutdown_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, engine_loop: EngineProcess, shutdown_timeout_s: float):
         super().__init__(config)
         self.engine_loop = engine_loop
         self.shutdown_timeout_s = shutdown_timeout_s
@@ -38,8 +41,8 @@ def _exit_cleanly(signum, frame) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from runtime.engine import Engine
     from runtime.models.registry import resolve_model
+    from runtime.models.tokenizer import load_tokenizer
     from runtime.server.app import create_app
     from runtime.server.connections import uvicorn_config
     from telemetry.logging import configure_logging
@@ -48,8 +51,9 @@ def serve(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     opts = ServerOptions.from_args(args)
     model_name = resolve_model(cfg.model).name
-    engine = Engine(cfg, progress=True)
-    engine_loop = EngineLoop(engine, max_queued_requests=opts.max_queued_requests, log_requests=opts.log_requests)
+    engine_loop = EngineProcess(cfg, load_tokenizer(cfg.model), max_queued_requests=opts.max_queued_requests,
+                                log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level)
+    engine_loop.start()  # returns once the engine process has built the engine
     app = create_app(engine_loop, model_name=model_name, options=opts)
     config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
     server = _DrainingServer(config, engine_loop, opts.shutdown_timeout_s)

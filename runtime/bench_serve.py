@@ -1,0 +1,222 @@
+"""`swa-runtime bench --serve`: throughput and latency through the OpenAI API, side by side in one run.
+
+Starts `swa-runtime serve` (with the engine options given) as a subprocess on loopback and sends the same
+synthetic prompts through `POST /v1/completions` (streaming, greedy, EOS ignored) at each concurrency; then
+runs transformers `generate` on the same prompts as static batches in float32 and bfloat16, the offline
+engine at concurrency 1 (what the server adds), and any OpenAI-compatible server given with `--peer URL`.
+While one stream runs alone, another client sends a body of `--stall-body-mb` MB: the stream's longest
+inter-token gap over its median says whether the front end stalls the engine. Nothing is asserted on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+HEADERS = {"Content-Type": "application/json"}
+
+
+@dataclass
+class Wave:
+    """One concurrency level against one server."""
+
+    system: str
+    concurrency: int
+    seconds: float = 0.0
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(engine_args: list[str], timeout_s: float = 900.0) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "runtime", "serve", "--port", str(port), *engine_args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"swa-runtime serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("swa-runtime serve did not become healthy in time")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], gen_len: int,
+                  wave: Wave, gaps: list[float] | None = None) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    start = last = time.perf_counter()
+    first = True
+    async with client.stream("POST", url + "/v1/completions", headers=HEADERS, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            (wave.ttft if first else wave.itl).append(now - (start if first else last))
+            if gaps is not None and not first:
+                gaps.append(now - last)
+            first, last = False, now
+    wave.tokens += gen_len  # EOS ignored: every request generates exactly max_tokens
+
+
+async def _wave(url: str, model: str, prompts: list[list[int]], concurrency: int, gen_len: int, system: str) -> Wave:
+    wave = Wave(system, concurrency)
+    sem = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+        async def one(prompt):
+            async with sem:
+                await _stream(client, url, model, prompt, gen_len, wave)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts))
+        wave.seconds = time.perf_counter() - start
+    return wave
+
+
+async def _stall(url: str, model: str, prompt: list[int], gen_len: int, body_mb: float) -> dict:
+    """One stream alone; halfway through its first tokens, another client posts a `body_mb` MB body."""
+    wave, gaps = Wave("stall", 1), []
+    big = json.dumps({"model": model, "prompt": "x" * int(body_mb * 2**20), "max_tokens": 1}).encode()
+    async with httpx.AsyncClient(timeout=None) as client:
+        async def intruder():
+            while len(gaps) < 3:
+                await asyncio.sleep(0.01)
+            r = await client.post(url + "/v1/completions", headers=HEADERS, content=big)
+            return r.status_code
+
+        stream = asyncio.create_task(_stream(client, url, model, prompt, gen_len, wave, gaps))
+        status = await intruder()
+        await stream
+    return {"body_mb": body_mb, "body_status": status, "median_gap_ms": statistics.median(gaps) * 1e3,
+            "max_gap_ms": max(gaps) * 1e3, "max_over_median": max(gaps) / statistics.median(gaps)}
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] * 1e3
+
+
+def _offline(cfg, prompts: list[list[int]], gen_len: int) -> Wave:
+    """The engine in this process, one request at a time: what the server is held against at c=1."""
+    from runtime.core import SamplingParams
+    from runtime.engine import Engine
+
+    engine = Engine(cfg, progress=False)
+    engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
+    wave = Wave("offline engine", 1)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.generate([p], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
+        wave.tokens += gen_len
+    wave.seconds = time.perf_counter() - start
+    return wave
+
+
+def _transformers(cfg, dtype: str, prompts: list[list[int]], batch: int, gen_len: int) -> Wave:
+    from runtime.bench import load_transformers, run_transformers
+
+    model = load_transformers(cfg.with_(dtype=dtype))
+    run_transformers(model, [prompts[0][:16]], 2)  # warm-up
+    wave = Wave(f"transformers {dtype}", batch)
+    for i in range(0, len(prompts), batch):
+        run = run_transformers(model, prompts[i:i + batch], gen_len)
+        wave.seconds += run.seconds
+        wave.tokens += len(prompts[i:i + batch]) * gen_len
+    return wave
+
+
+def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from runtime.bench import synthetic_prompts
+    from runtime.models.registry import resolve_model
+
+    levels = [int(x) for x in args.concurrency.split(",")]
+    source = resolve_model(cfg.model)
+    vocab = 260 if source.kind == "tiny" else 262144
+    prompts = {c: synthetic_prompts(max(c, args.min_requests), args.prompt_len, vocab, 2, cfg.seed) for c in levels}
+    waves: list[Wave] = []
+    proc, url = start_server(engine_args)
+    try:
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        asyncio.run(_wave(url, name, prompts[levels[0]][:1], 1, 4, "warm-up"))
+        for c in levels:
+            waves.append(asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve")))
+        stall = asyncio.run(_stall(url, name, prompts[1][0], max(args.gen_len, 32), args.stall_body_mb))
+    finally:
+        stop_server(proc)
+    if args.peer:
+        for c in levels:
+            waves.append(asyncio.run(_wave(args.peer, args.peer_model, prompts[c], c, args.gen_len, "peer")))
+    if 1 in levels:
+        waves.append(_offline(cfg, prompts[1], args.gen_len))
+    if not args.skip_transformers:
+        for dtype in ("float32", "bfloat16"):
+            for c in levels:
+                if c <= args.transformers_max_batch:
+                    waves.append(_transformers(cfg, dtype, prompts[c], c, args.gen_len))
+    print(format_serve_report(waves, stall, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"waves": [vars(w) | {"tok_s": w.tok_s} for w in waves], "stall": stall}, f, indent=1)
+    return 0
+
+
+def format_serve_report(waves: list[Wave], stall: dict, args) -> str:
+    lines = [f"swa-runtime bench --serve: {args.prompt_len}-token prompts, {args.gen_len} new tokens, greedy, "
+             "EOS ignored; requests per level = max(concurrency, --min-requests)", "",
+             f"{'system':<26}{'c':>4}{'tok/s':>9}{'vs best hf':>11}{'TTFT p50':>10}{'p90':>8}"
+             f"{'ITL p50':>9}{'p90':>7}{'p99':>7}   (ms)"]
+    for w in waves:
+        hf = [x.tok_s for x in waves if x.system.startswith("transformers") and x.concurrency == w.concurrency]
+        ratio = f"{w.tok_s / max(hf):.2f}" if hf else "-"
+        lines.append(f"{w.system:<26}{w.concurrency:>4}{w.tok_s:>9.1f}{ratio:>11}{_pct(w.ttft, .5):>10.0f}"
+                     f"{_pct(w.ttft, .9):>8.0f}{_pct(w.itl, .5):>9.1f}{_pct(w.itl, .9):>7.1f}{_pct(w.itl, .99):>7.1f}")
+    served = {w.concurrency: w for w in waves if w.system == "swa-runtime serve"}
+    offline = next((w for w in waves if w.system == "offline engine"), None)
+    if offline and 1 in served:
+        lines.append(f"\nthe server at c=1 vs the offline engine: {served[1].tok_s / offline.tok_s:.3f} "
+                     f"({(1 - served[1].tok_s / offline.tok_s) * 100:+.1f}% lost)")
+    if 8 in served and 32 in served:
+        lines.append(f"c=32 vs c=8 through the server: {served[32].tok_s / served[8].tok_s:.2f}x")
+    lines.append(f"a stream's inter-token gaps while another client sent {stall['body_mb']:g} MB (answered "
+                 f"{stall['body_status']}): median {stall['median_gap_ms']:.1f} ms, longest "
+                 f"{stall['max_gap_ms']:.1f} ms ({stall['max_over_median']:.2f}x the median)")
+    return "\n".join(lines)

@@ -1,0 +1,391 @@
+"""The engine in its own process: the HTTP front end never shares a GIL or a thread pool with it.
+
+`EngineProcess` offers the front end the same interface as the in-process `EngineLoop` (submit, abort,
+admission checks, shutdown, queue sizes, the metrics exposition). It spawns a child that builds the engine on
+its main thread and runs the `EngineLoop` there, so every torch operation runs on the one thread that built
+the engine (one OpenMP team). The two talk over a pipe:
+
+    front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("count", status)
+                         | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
+    engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
+                         | ("token", rid, id) | ("final", rid, reason, message) | ("queue", running, waiting)
+                         | ("reply", token, ok, value)
+
+Metrics are counted in the engine process and rendered there at scrape time, by its pipe reader (the engine
+thread is never waited on). If the engine process dies, every live request ends with an error, `/health`
+answers 503, and new requests are refused; nothing waits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import multiprocessing
+import signal
+import threading
+import time
+from typing import Any
+
+import structlog
+
+from runtime.config import EngineConfig
+from runtime.core import Req, RequestError, SamplingParams
+from runtime.server.engine_loop import EngineUnavailable, Overloaded, RequestStream, _Final
+
+log = structlog.get_logger("swa_runtime.server")
+
+READY_TIMEOUT_S = 900.0  # assembling and loading the default model on a slow machine
+CALLS = ("has_work", "assert_idle_clean")  # what the front end may ask the scheduler (tests, diagnostics)
+
+
+class EngineProcess:
+    DOWN_MESSAGE = "the engine process is not running"
+
+    def __init__(self, cfg: EngineConfig, tokenizer, *, max_queued_requests: int = 256, log_requests: bool = False,
+                 log_format: str = "console", log_level: str = "WARNING", instance: str | None = None):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.max_queued_requests = max_queued_requests
+        self._child_options = dict(max_queued_requests=max_queued_requests, log_requests=log_requests,
+                                   log_format=log_format, log_level=log_level, instance=instance)
+        self._ctx = multiprocessing.get_context("spawn")
+        self._process = None
+        self._conn = None
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()  # the tables below, shared by the event loop and the reader thread
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._adding: dict[str, concurrent.futures.Future] = {}
+        self._replies: dict[int, concurrent.futures.Future] = {}
+        self._tokens = itertools.count(1)
+        self._ready = threading.Event()
+        self._info: dict[str, Any] = {}
+        self._running = self._waiting = 0
+        self._accepting = True
+        self._dead: str | None = None  # why the engine process is gone
+        self._reader: threading.Thread | None = None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Spawn the engine process and wait until its engine is built (raises if it fails to start)."""
+        if self._process is not None:
+            raise RuntimeError("EngineProcess.start() called twice")
+        parent, child = self._ctx.Pipe()
+        self._process = self._ctx.Process(target=_engine_main, args=(child, self.cfg, self._child_options),
+                                          name="swa-runtime-engine", daemon=True)
+        self._process.start()
+        child.close()
+        self._conn = parent
+        self._reader = threading.Thread(target=self._read, name="swa-runtime-engine-pipe", daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._ready.wait(0.2):
+            if self._dead is not None or time.monotonic() > deadline:
+                self.stop(0)
+                raise RuntimeError(f"the engine process failed to start: {self._dead or 'timed out'}")
+
+    @property
+    def started(self) -> bool:
+        return self._process is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._ready.is_set() and self._dead is None
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting and self.alive
+
+    @property
+    def context_length(self) -> int:
+        return self._info["context_length"]
+
+    @property
+    def exitcode(self) -> int | None:
+        return None if self._process is None else self._process.exitcode
+
+    def begin_shutdown(self, timeout_s: float) -> None:
+        """Stop admitting now; the engine drains for `timeout_s`, aborts the rest and exits. Returns at once."""
+        self._accepting = False
+        self._send(("shutdown", max(0.0, timeout_s)))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain (see `begin_shutdown`) and wait for the engine process to exit; kill it if it does not."""
+        self.begin_shutdown(timeout_s)
+        if self._process is None:
+            return
+        self._process.join(timeout_s + 30.0)
+        if self._process.is_alive():
+            log.error("engine_process_did_not_stop", waited_s=timeout_s + 30.0)
+            self._process.kill()
+            self._process.join(5.0)
+
+    # ---- event-loop side ---------------------------------------------------------------------------------
+    def queue_sizes(self) -> tuple[int, int]:
+        return self._running, self._waiting
+
+    def backlog(self) -> int:
+        with self._lock:
+            pending = len(self._adding)
+        return max(0, pending + self._waiting + self._running - self.cfg.max_running_requests)
+
+    def check_admission(self) -> None:
+        if not self.alive:
+            raise EngineUnavailable(self.DOWN_MESSAGE)
+        if not self._accepting:
+            raise EngineUnavailable("the server is shutting down and accepts no new requests")
+        if self.backlog() >= self.max_queued_requests:
+            self.count("refused")
+            raise Overloaded(f"the server is busy: {self.max_queued_requests} requests are already waiting "
+                             "(--max-queued-requests); retry later")
+
+    def count(self, status: str) -> None:
+        """Count a request that ended before reaching the scheduler (the engine process keeps every count)."""
+        self._send(("count", status))
+
+    def reject(self, message: str) -> RequestError:
+        self.count("rejected")
+        return RequestError(message)
+
+    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+        self.check_admission()
+        req = Req(list(prompt_ids), params)
+        queue: asyncio.Queue = asyncio.Queue()
+        admitted: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._streams[req.rid] = (asyncio.get_running_loop(), queue)
+            self._adding[req.rid] = admitted
+        if not self._send(("add", req.rid, req.prompt_ids, params)):
+            self._forget(req.rid)
+            raise EngineUnavailable(self.DOWN_MESSAGE)
+        try:
+            await asyncio.wrap_future(admitted)
+        except asyncio.CancelledError:
+            self.abort(req.rid)  # the client left while we waited; the add may still land
+            raise
+        except BaseException:
+            self._forget(req.rid)
+            raise
+        return RequestStream(self, req, queue)
+
+    def abort(self, rid: str) -> None:
+        self._send(("abort", rid))
+
+    def call(self, what: str) -> concurrent.futures.Future:
+        """Ask the engine thread `what` (one of CALLS) between steps; the future holds its answer."""
+        if what not in CALLS:
+            raise ValueError(f"unknown call {what!r}; one of {CALLS}")
+        return self._request(("call", None, what))
+
+    async def exposition(self) -> bytes:
+        """The engine's metrics, rendered in the engine process at scrape time."""
+        if not self.alive:
+            return b""
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(self._request(("metrics", None))), 5.0)
+        except (asyncio.TimeoutError, EngineUnavailable):
+            return b""
+
+    # ---- the pipe ----------------------------------------------------------------------------------------
+    def _request(self, message: tuple) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        token = next(self._tokens)
+        with self._lock:
+            self._replies[token] = fut
+        if not self._send((message[0], token, *message[2:])):
+            with self._lock:
+                self._replies.pop(token, None)
+            fut.set_exception(EngineUnavailable(self.DOWN_MESSAGE))
+        return fut
+
+    def _send(self, message: tuple) -> bool:
+        if self._conn is None or self._dead is not None:
+            return False
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+            return True
+        except (OSError, EOFError, ValueError):
+            return False
+
+    def _read(self) -> None:
+        """The reader thread: dispatch every message from the engine process until the pipe closes."""
+        try:
+            while True:
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError, ValueError):
+            pass
+        stopping = not self._accepting  # a shutdown was asked for: the pipe closes as the process exits
+        deadline = time.monotonic() + 5.0
+        while self._process is not None and self._process.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        code = self.exitcode
+        expected = stopping and code in (0, None)
+        self._dead = "it exited" if expected else f"it exited unexpectedly (exit code {code})"
+        if not expected and self._ready.is_set():
+            log.error("engine_process_died", exitcode=code, live_requests=len(self._streams))
+        self._end_all(_Final("abort" if expected else "error", f"the engine process stopped: {self._dead}"))
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "token":
+            self._push(message[1], message[2])
+        elif kind == "final":
+            _, rid, reason, text = message
+            self._push(rid, _Final(reason, text))
+            self._forget(rid)
+        elif kind == "queue":
+            self._running, self._waiting = message[1], message[2]
+        elif kind == "admitted":
+            self._settle(self._adding, message[1], None)
+        elif kind == "add_failed":
+            _, rid, exc_kind, text = message
+            exc = RequestError(text) if exc_kind == "request" else EngineUnavailable(text)
+            self._settle(self._adding, rid, exc)
+            self._forget(rid)
+        elif kind == "reply":
+            _, token, ok, value = message
+            self._settle(self._replies, token, None if ok else AssertionError(value), value)
+        elif kind == "ready":
+            self._info = message[1]
+            self._ready.set()
+
+    def _push(self, rid: str, item) -> None:
+        with self._lock:
+            target = self._streams.get(rid)
+        if target is None:
+            return
+        aloop, queue = target
+        try:
+            aloop.call_soon_threadsafe(queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed: nobody listens any more
+            pass
+
+    def _settle(self, table: dict, key, exc: BaseException | None, value: Any = None) -> None:
+        with self._lock:
+            fut = table.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(value)
+
+    def _forget(self, rid: str) -> None:
+        with self._lock:
+            self._streams.pop(rid, None)
+            self._adding.pop(rid, None)
+
+    def _end_all(self, final: _Final) -> None:
+        with self._lock:
+            rids = list(self._streams)
+            waiting = list(self._adding.values()) + list(self._replies.values())
+            self._adding.clear()
+            self._replies.clear()
+        for rid in rids:
+            self._push(rid, final)
+            self._forget(rid)
+        for fut in waiting:
+            if not fut.done():
+                fut.set_exception(EngineUnavailable(self.DOWN_MESSAGE))
+
+
+# ---- the engine process -----------------------------------------------------------------------------------
+def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
+    """Entry point of the engine process: build the engine here, on the main thread, and run its loop."""
+    # Ctrl-C reaches the whole process group: the front end decides when the engine stops (a shutdown
+    # message), or the pipe closes when the front end is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    from prometheus_client import generate_latest
+
+    from runtime.engine import Engine
+    from runtime.server.engine_loop import EngineLoop
+    from telemetry.collector import make_registry
+    from telemetry.logging import configure_logging
+
+    configure_logging(options["log_format"], options["log_level"])
+    send_lock = threading.Lock()
+
+    def send(message: tuple) -> None:
+        try:
+            with send_lock:
+                conn.send(message)
+        except (OSError, EOFError, ValueError):
+            pass  # the front end is gone; the reader below notices and shuts the loop down
+
+    engine = Engine(cfg, progress=True)
+    loop = EngineLoop(engine, max_queued_requests=options["max_queued_requests"],
+                      log_requests=options["log_requests"])
+    registry = make_registry(engine.stats)
+    queue_seen = [(-1, -1)]
+
+    def report_queue() -> None:
+        sizes = loop.queue_sizes()
+        if sizes != queue_seen[0]:
+            queue_seen[0] = sizes
+            send(("queue", *sizes))
+
+    def add(rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        def on_token(r: Req, t: int) -> None:
+            send(("token", r.rid, t))
+            report_queue()
+
+        def on_finish(r: Req) -> None:
+            final = loop.final_of(r)
+            send(("final", r.rid, final.reason, final.message))
+            report_queue()
+
+        req = Req(prompt_ids, params, rid=rid, on_token=on_token, on_finish=on_finish)
+        try:
+            admitted = loop.post_add(req)
+        except EngineUnavailable as exc:
+            send(("add_failed", rid, "unavailable", str(exc)))
+            return
+
+        def settled(fut: concurrent.futures.Future) -> None:
+            exc = fut.exception()
+            if exc is None:
+                send(("admitted", rid))
+            else:
+                send(("add_failed", rid, "request" if isinstance(exc, RequestError) else "unavailable", str(exc)))
+            report_queue()
+
+        admitted.add_done_callback(settled)
+
+    def answer(token: int, what: str) -> None:
+        fn = getattr(engine.scheduler, what)
+
+        def done(fut: concurrent.futures.Future) -> None:
+            exc = fut.exception()
+            send(("reply", token, exc is None, fut.result() if exc is None else f"{type(exc).__name__}: {exc}"))
+
+        try:
+            loop.call(fn).add_done_callback(done)
+        except EngineUnavailable as exc:
+            send(("reply", token, False, str(exc)))
+
+    def read() -> None:
+        """The pipe reader: hands requests to the loop and renders metrics itself (never waits on a step)."""
+        try:
+            while True:
+                message = conn.recv()
+                kind = message[0]
+                if kind == "add":
+                    add(*message[1:])
+                elif kind == "abort":
+                    loop.abort(message[1])
+                elif kind == "count":
+                    loop.count(message[1])
+                elif kind == "metrics":
+                    send(("reply", message[1], True, generate_latest(registry)))
+                elif kind == "call" and message[2] in CALLS:
+                    answer(message[1], message[2])
+                elif kind == "shutdown":
+                    loop.begin_shutdown(message[1])
+        except (EOFError, OSError, ValueError):
+            loop.begin_shutdown(0.0)  # the front end is gone: nobody can read the answers
+
+    def started() -> None:  # the loop accepts posts from here on: only now may requests arrive
+        threading.Thread(target=read, name="swa-runtime-engine-pipe", daemon=True).start()
+        send(("ready", {"context_length": engine.context_length}))
+
+    loop.run_in_this_thread(on_started=started)
+    send(("queue", 0, 0))  # the process exits now; the pipe closes with it
