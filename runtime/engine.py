@@ -56,7 +56,9 @@ class Engine:
         self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
         self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
         self.pool = self.runner.pool
-        self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size))
+        self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size, self.stats),
+                             prefix_cache=not cfg.disable_prefix_caching, window=rc.window,
+                             stats=self.stats.prefix_cache)
         self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.observer = observer

@@ -18,8 +18,12 @@ FAULTS = {
 }
 
 
-# Mapping mutations of the hybrid allocator (register_mapping is the host tier's, with a switch of its own).
-ALLOCATOR_SITES = frozenset({"alloc", "free", "free_swa", "clear", "set_mapping", "clear_swa_mapping"})
+# Mapping mutations of the hybrid allocator (register_mapping is the host tier's, with a switch of its own);
+# the prefix cache's eviction and tombstones are frees under their own site names.
+ALLOCATOR_SITES = frozenset({"alloc", "free", "free_swa", "clear", "set_mapping", "clear_swa_mapping",
+                             "prefix_evict", "prefix_tombstone"})
+# Rebuilt mappings registered after a host load-back: a request's (retraction) or the prefix cache's.
+REGISTER_SITES = frozenset({"register_mapping", "prefix_loadback"})
 
 
 @dataclass(frozen=True)
@@ -44,7 +48,7 @@ class Faults:
             return mode == "graph_replay" and "skip-forward-invalidation" in self
         if site == "graph_capture":
             return "skip-capture-invalidation" in self
-        if site == "register_mapping":
+        if site in REGISTER_SITES:
             return "skip-register-mapping-invalidation" in self
         return site in ALLOCATOR_SITES and "skip-alloc-invalidation" in self
 

@@ -34,7 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, default=None)
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     g.add_argument("--hicache-size", type=int, default=d.hicache_size,
-                   help="host-memory KV tier in tokens for requests retracted under pool pressure (0: recompute)")
+                   help="host-memory KV tier in tokens for requests retracted under pool pressure and prefix-cache "
+                        "nodes evicted from the device (0: recompute, drop)")
+    g.add_argument("--disable-prefix-caching", action="store_true",
+                   help="prefill every prompt in full (no radix cache of finished requests' KV)")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
                    help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
@@ -49,6 +52,6 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
         context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
-        hicache_size=args.hicache_size, seed=args.seed,
+        hicache_size=args.hicache_size, disable_prefix_caching=args.disable_prefix_caching, seed=args.seed,
         inject=tuple(args.inject),
     )

@@ -22,6 +22,14 @@ SWA_EVICTED_TOKENS = PREFIX + "swa_evicted_tokens_total"
 HICACHE_OFFLOADS = PREFIX + "hicache_offloads_total"
 HICACHE_LOADBACKS = PREFIX + "hicache_loadbacks_total"
 RETRACTIONS = PREFIX + "retractions_total"
+HICACHE_BYTES = PREFIX + "hicache_bytes_total"
+
+# Prefix cache (radix tree of cached prompt prefixes over the pools and the host tier)
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries_total"
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits_total"
+PREFIX_CACHE_TOKENS = PREFIX + "prefix_cache_tokens"
+PREFIX_CACHE_NODES = PREFIX + "prefix_cache_nodes"
+PREFIX_CACHE_EVICTED_TOKENS = PREFIX + "prefix_cache_evicted_tokens_total"
 
 # Requests
 REQUESTS_TOTAL = PREFIX + "requests_total"
@@ -60,6 +68,9 @@ INVALIDATION_SITES = (
     "set_mapping",
     "clear_swa_mapping",
     "register_mapping",
+    "prefix_evict",
+    "prefix_tombstone",
+    "prefix_loadback",
     "forward_entry",
     "graph_capture",
     "manual",
@@ -76,6 +87,11 @@ REQUEST_STATUSES = ("finished", "aborted", "rejected", "refused", "error")
 # How a running request was taken off the device under pool pressure: its KV offloaded to the host tier, or
 # dropped to be recomputed.
 RETRACTION_KINDS = ("offload", "recompute")
+# Host-tier traffic: device -> host (offload) and host -> device (loadback), by retraction or the prefix cache.
+HICACHE_DIRECTIONS = ("offload", "loadback")
+# Prefix-cache nodes: full and SWA KV on the device (`device`), full KV only (`tombstoned`: the SWA side was
+# freed), or copied to the host tier (`host`). A gauge read from the tree: no `other`.
+PREFIX_NODE_STATES = ("device", "tombstoned", "host")
 LOG_EVENT_NAMES = ("loc_key_change", OTHER)
 
 
@@ -102,8 +118,11 @@ TRANSLATE_SITE_LABELS = with_other(TRANSLATE_SITES)
 FORWARD_MODE_LABELS = with_other(FORWARD_MODES)
 REQUEST_STATUS_LABELS = with_other(REQUEST_STATUSES)
 RETRACTION_KIND_LABELS = with_other(RETRACTION_KINDS)
+HICACHE_DIRECTION_LABELS = with_other(HICACHE_DIRECTIONS)
 LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
-# kv_tokens is a gauge read from the pools at scrape time: exactly KV_POOLS x KV_STATES, no `other`.
+# kv_tokens is a gauge read from the pools at scrape time: exactly KV_POOLS x KV_STATES, no `other`; so are
+# the prefix cache's per-pool series (tokens held, tokens evicted: only the cache itself writes them) and its
+# node states.
 
 # Structured log event names (the `event` label of LOG_EVENTS_SUPPRESSED).
 LOC_KEY_CHANGE_EVENT = "loc_key_change"

@@ -86,6 +86,26 @@ class TranslationStats:
         self.translation_count += n
 
 
+class PrefixCacheStats:
+    """The prefix cache's numbers. Counters: prompt tokens looked up and found cached (at admission), tokens
+    whose slots the cache freed under pressure, by pool (`full`: a node evicted to the host tier or dropped;
+    `swa`: a node's SWA side tombstoned or evicted with it). Gauges, kept current by the tree on every change
+    (so that a scrape reads ints, never the tree): device tokens it holds by pool, and its nodes by state."""
+
+    __slots__ = ("queried_tokens", "hit_tokens", "evicted_tokens", "cached_tokens", "nodes")
+
+    def __init__(self):
+        self.queried_tokens = 0
+        self.hit_tokens = 0
+        self.evicted_tokens: dict[str, int] = dict.fromkeys(names.KV_POOLS, 0)
+        self.cached_tokens: dict[str, int] = dict.fromkeys(names.KV_POOLS, 0)
+        self.nodes: dict[str, int] = dict.fromkeys(names.PREFIX_NODE_STATES, 0)
+
+    def record_lookup(self, queried: int, hit: int) -> None:
+        self.queried_tokens += queried
+        self.hit_tokens += hit
+
+
 class HistogramSnapshot(NamedTuple):
     buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), ending with (+inf, count)
     count: int
@@ -178,6 +198,8 @@ class EngineStats:
         self.hicache_offloads = 0
         self.hicache_loadbacks = 0
         self.retraction_counts: dict[str, int] = dict.fromkeys(names.RETRACTION_KIND_LABELS, 0)
+        self.hicache_bytes: dict[str, int] = dict.fromkeys(names.HICACHE_DIRECTION_LABELS, 0)
+        self.prefix_cache = PrefixCacheStats()
         self.request_counts: dict[str, int] = dict.fromkeys(names.REQUEST_STATUS_LABELS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -219,6 +241,12 @@ class EngineStats:
 
     def add_hicache_loadbacks(self, n: int = 1) -> None:
         self.hicache_loadbacks += n
+
+    def add_hicache_bytes(self, direction: str, n: int) -> None:
+        try:
+            self.hicache_bytes[direction] += n
+        except KeyError:
+            self.hicache_bytes[fold(direction, names.HICACHE_DIRECTION_LABELS)] += n
 
     def record_retraction(self, kind: str) -> None:
         try:

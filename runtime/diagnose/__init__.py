@@ -41,7 +41,9 @@ from telemetry.names import NON_BENIGN_CLASSIFICATIONS
 __all__ = ["PHASES", "REQUIRED_COVERAGE", "Report", "render", "run_diagnose"]
 
 
-REQUIRED_COVERAGE = (*BRANCHES, "hicache_offloads", "hicache_loadbacks", "swa_evicted_tokens", "midforward_remaps")
+REQUIRED_COVERAGE = (*BRANCHES, "hicache_offloads", "hicache_loadbacks", "swa_evicted_tokens", "midforward_remaps",
+                     "prefix_cache_hits", "prefix_cache_evictions", "prefix_cache_tombstones",
+                     "prefix_cache_loadbacks")
 
 
 def _checks(run: RunResult, mismatches: list[Mismatch], reference: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""The diagnose workload: four phases per policy through one engine, and the comparison of runs."""
+"""The diagnose workload: five phases per policy through one engine, and the comparison of runs."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from runtime.layers.sampler import sample
 from telemetry.events import KeyChangeEvent
 
 
-PHASES = ("scheduler", "reserved_decode", "draft_steps", "midforward_remap")
+PHASES = ("scheduler", "prefix_cache", "reserved_decode", "draft_steps", "midforward_remap")
 DRAFT_STEPS = 3
 LOGIT_ATOL = 1e-5  # runs are bit-deterministic (one thread, same ops): anything above is a real difference
 
@@ -30,6 +30,17 @@ class Workload:
     vocab: int
     seed: int = 0
     new_tokens: int = 8  # per request in the scheduler phase
+    chats: int = 4  # prefix-cache phase: conversations, run two at a time
+    chat_turns: int = 4
+    chat_new_tokens: int = 4  # per turn
+
+    @property
+    def chat_first_len(self) -> int:
+        return self.window + 4
+
+    @property
+    def chat_user_len(self) -> int:
+        return self.window - 5
 
     @property
     def prompt_lens(self) -> tuple[int, ...]:
@@ -43,12 +54,13 @@ class Workload:
 
     def engine_config(self, model: str, policy: str, **changes) -> EngineConfig:
         w = self.window
-        # A little more than the four prompts, so that decode must retract; the SWA pool as large, so that
-        # the remap can hold two windows twice over.
+        # A little more than the four prompts, so that decode must retract; the SWA pool half as large: the
+        # remap can still hold two windows twice over, and the prefix cache's windows outgrow it before its
+        # full KV outgrows the full pool (so that SWA pressure tombstones some).
         full = 4 * w + 64
         return EngineConfig(
             model=model, loc_cache=policy, graphs=True, graph_batch_sizes=(1, 2), page_size=1,
-            max_total_tokens=full, swa_full_tokens_ratio=1.0, max_running_requests=4,
+            max_total_tokens=full, swa_full_tokens_ratio=0.5, max_running_requests=4,
             chunked_prefill_size=w + 4, hicache_size=4 * full, seed=self.seed, **changes,
         )
 
@@ -236,6 +248,29 @@ def _phase_output(seqs: list[_Seq]) -> PhaseOutput:
     return PhaseOutput([s.ids for s in seqs], [s.out for s in seqs], [torch.stack(s.logits) for s in seqs])
 
 
+def chat_phase(engine: Engine, work: Workload) -> PhaseOutput:
+    """Multi-turn chats through the engine's loop, two conversations at a time: every turn resends the
+    conversation so far plus a new user message. Later turns hit the prefix cache; the conversations do not
+    all fit in the pools, so older ones are evicted (their SWA windows tombstoned, their nodes sent to the
+    host tier) and loaded back, with a registered mapping, when their next turn comes."""
+    params = SamplingParams(max_new_tokens=work.chat_new_tokens, ignore_eos=True)  # greedy
+    history = work.prompts((work.chat_first_len,) * work.chats, 5)
+    out = PhaseOutput([], [], [])
+    for turn in range(work.chat_turns):
+        for pair in range(0, work.chats, 2):
+            convs = list(range(pair, min(pair + 2, work.chats)))
+            prompts = [history[i] for i in convs]
+            logits: list[torch.Tensor] = []
+            tokens = engine.generate(prompts, params, logits_out=logits)
+            out.prompts += prompts
+            out.tokens += tokens
+            out.logits += logits
+            users = work.prompts((work.chat_user_len,) * len(convs), 100 + turn * work.chats + pair)
+            for i, answer, user in zip(convs, tokens, users):
+                history[i] = history[i] + answer + user
+    return out
+
+
 def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResult:
     """The four phases in one engine (see the module docstring); outputs, events, and what was exercised."""
     engine = Engine(cfg, progress=False, model=model, tokenizer=tokenizer)  # graph capture runs here
@@ -250,6 +285,12 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     tokens = engine.generate(prompts, params, logits_out=logits)
     outputs["scheduler"] = PhaseOutput(prompts, tokens, logits)
     engine.scheduler.assert_idle_clean()
+    engine.slots.clear_prefix_cache()  # the next phase starts from an empty cache
+
+    starts["prefix_cache"] = runner.last_forward_id + 1
+    outputs["prefix_cache"] = chat_phase(engine, work)
+    engine.scheduler.assert_idle_clean()
+    engine.slots.clear_prefix_cache()  # the direct phases below borrow the pools
     drive = _Driver(engine, work.seed)
 
     starts["reserved_decode"] = runner.last_forward_id + 1
@@ -280,11 +321,14 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     outputs["midforward_remap"] = _phase_output(seqs)
     engine.scheduler.assert_idle_clean()
 
-    stats, t = engine.stats, engine.stats.translation
+    stats, t, tree = engine.stats, engine.stats.translation, engine.slots.tree
     coverage = dict(runner.branch_counts)  # every runner branch, by name
     coverage.update(draft_steps=DRAFT_STEPS, midforward_remaps=drive.remaps,
                     hicache_offloads=stats.hicache_offloads, hicache_loadbacks=stats.hicache_loadbacks,
-                    swa_evicted_tokens=stats.swa_evicted_tokens)
+                    swa_evicted_tokens=stats.swa_evicted_tokens, prefix_cache_hits=stats.prefix_cache.hit_tokens,
+                    prefix_cache_evictions=tree.evictions if tree else 0,
+                    prefix_cache_tombstones=tree.tombstones if tree else 0,
+                    prefix_cache_loadbacks=tree.loadbacks if tree else 0)
     return RunResult(
         config=cfg, outputs=outputs, phase_starts=starts,
         key_change_counts={k: v for k, v in t.key_change_counts.items() if v},

@@ -106,19 +106,21 @@ class HybridAllocator:
         self._mutated("alloc")
 
     # ---- release -----------------------------------------------------------------------------------------
-    def free(self, full_locs: torch.Tensor) -> None:
-        """Release tokens entirely: their SWA slots (where still mapped) and their full slots."""
+    def free(self, full_locs: torch.Tensor, site: str = "free") -> None:
+        """Release tokens entirely: their SWA slots (where still mapped) and their full slots. `site` names
+        the caller's invalidation site (the prefix cache's eviction says `prefix_evict`)."""
         self.full.check_held(full_locs)  # all or nothing: validate both sides before touching either
         swa_locs = self.full_to_swa_index_mapping[full_locs.long()]
         swa_locs = swa_locs[swa_locs > 0]
         self.swa.free(swa_locs)  # validates before touching anything
         self.full.free(full_locs)
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
-        self._mutated("free")
+        self._mutated(site)
 
-    def free_swa(self, full_locs: torch.Tensor) -> int:
+    def free_swa(self, full_locs: torch.Tensor, site: str = "free_swa") -> int:
         """Release only the SWA side of tokens that left the window. Page-rounded: a SWA page is freed only
-        when every token on it is among `full_locs`; the rest stay mapped. Returns SWA slots freed."""
+        when every token on it is among `full_locs`; the rest stay mapped. Returns SWA slots freed. `site`
+        as for `free` (the prefix cache's tombstones say `prefix_tombstone`)."""
         check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
         full_locs = full_locs.long()
         swa_locs = self.full_to_swa_index_mapping[full_locs]
@@ -136,7 +138,7 @@ class HybridAllocator:
                 return 0
         self.swa.free(swa_locs)
         self.record.write(self.full_to_swa_index_mapping, full_locs, 0)
-        self._mutated("free_swa")
+        self._mutated(site)
         return int(swa_locs.numel())
 
     def clear(self) -> None:
@@ -159,14 +161,15 @@ class HybridAllocator:
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
         self._mutated("clear_swa_mapping")
 
-    def register_mapping(self, mapping: torch.Tensor) -> None:
+    def register_mapping(self, mapping: torch.Tensor, site: str = "register_mapping") -> None:
         """Adopt a rebuilt mapping tensor (host-cache load-back rebuilds it). A new tensor starts a new
-        version history, so the generation counter is what tells a guard that the mapping was swapped."""
+        version history, so the generation counter is what tells a guard that the mapping was swapped.
+        `site`: the prefix cache's load-back says `prefix_loadback`."""
         self.check_mapping(mapping)
         self.full_to_swa_index_mapping = mapping
         self.record.adopt(mapping)
         self.mapping_generation += 1
-        self._mutated("register_mapping")
+        self._mutated(site)
 
     def check_mapping(self, mapping: torch.Tensor) -> None:
         """Raise unless `mapping` could serve as this allocator's full→SWA mapping."""

@@ -75,8 +75,8 @@ class HybridKVPool:
     def invalidate_loc_cache(self, site: str = "manual") -> None:
         self.translator.invalidate(site)
 
-    def register_mapping(self, mapping: torch.Tensor) -> None:
-        self.allocator.register_mapping(mapping)
+    def register_mapping(self, mapping: torch.Tensor, site: str = "register_mapping") -> None:
+        self.allocator.register_mapping(mapping, site=site)
 
     def _on_mapping_mutation(self, site: str) -> None:
         if not self.faults.skips_invalidation(site):

@@ -9,6 +9,12 @@ retracted: its KV goes to the host tier if there is room (loaded back into new s
 rebuilt and re-registered), otherwise it is dropped and recomputed. Requests are validated at `add()` so
 that nothing admitted can need more than the pools hold: the engine never deadlocks on pool exhaustion.
 
+With the prefix cache on, admission matches the request's tokens against the cache: the cached prefix's slots
+become the head of `Req.locs`, held (locked) for the request and owned by the cache, and prefill starts after
+them (at least one token is always computed, for its logits). The scheduler frees and window-evicts only the
+slots it owns exclusively, those after the held prefix; a finished request's KV goes to the cache instead of
+being freed.
+
 Slots are planned through `KVSlots` (plain integers); nothing here touches a tensor, the model or the
 sampler. Not thread-safe: one thread (the engine's) calls everything here.
 """
@@ -20,6 +26,7 @@ from collections import deque
 
 from runtime.config import ResolvedConfig
 from runtime.core import Req, RequestError
+from runtime.mem_cache.radix_cache import PrefixMatch
 from runtime.mem_cache.slots import KVSlots
 from runtime.scheduler.batch import ScheduledBatch
 
@@ -39,6 +46,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted: they hold a request row and KV slots
         self.by_rid: dict[str, Req] = {}
+        self.holds: dict[Req, PrefixMatch] = {}  # cached prefixes held by running requests (the cache's slots)
 
     # ---- requests ----------------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -145,9 +153,11 @@ class Scheduler:
         usage = self.slots.usage()
         assert usage["full", "available"] == usage["full", "total"], "full-pool slots leaked"
         assert usage["swa", "available"] == usage["swa", "total"], "SWA-pool slots leaked"
-        assert self.slots.mapped_count() == 0, "mapping entries left"
+        tree = self.slots.tree  # the prefix cache may hold slots, none of them locked
+        assert not self.holds and (tree is None or tree.locked_tokens == 0), "cached prefixes still held"
+        assert self.slots.mapped_count() == (tree.swa_tokens if tree else 0), "mapping entries left"
         assert len(self.free_rows) == self.max_running, "request rows leaked"
-        assert self.slots.host_used == 0, "host-cache tokens leaked"
+        assert self.slots.host_used == (tree.host_tokens if tree else 0), "host-cache tokens leaked"
 
     # ---- admission ---------------------------------------------------------------------------------------
     @staticmethod
@@ -159,19 +169,30 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running and self.free_rows:
             r = self.waiting[0]
             if r.offloaded is not None:
-                locs = self.slots.load_back(r.offloaded)
+                # with room for a decode step after it: else it would be retracted again at once
+                locs = self.slots.load_back(r.offloaded, headroom=self.slots.page_size)
                 if locs is None:
                     return
                 r.offloaded = None
                 r.locs = locs
                 self.stats.add_hicache_loadbacks(1)
             else:
-                # admit only if its first chunk could be allocated now
-                first = min(self._prefill_target(r), self.chunk, self.slots.available())
+                ids = r.all_ids()
+                match = self.slots.match_prefix(ids, len(ids) - 1)  # held now: it must not be evicted
+                cached = match.length if match is not None else 0
+                # admit only if its first chunk (or decode step) could be allocated now
+                first = min(max(self._prefill_target(r) - cached, 1), self.chunk, self.slots.available())
                 if first < 1:
+                    if match is not None:
+                        self.slots.release_prefix(match)
                     return
+                if cached:
+                    self.holds[r] = match
+                    r.locs, r.swa_released_upto = list(match.locs), cached
                 if not r.output_ids and r.first_token_time is None:
                     self.stats.add_prompt_tokens(len(r.prompt_ids))
+                    if match is not None:
+                        self.stats.prefix_cache.record_lookup(len(r.prompt_ids), cached)
             r.row, r.row_fresh = self.free_rows.pop(0), True
             r.status = "running"
             self.waiting.popleft()
@@ -232,7 +253,9 @@ class Scheduler:
         for r in reqs:
             if r.done:
                 continue
-            cut = r.cached - self.window + 1
+            # The prefix cache can keep whole pages only: keep the window of the last whole page's end too.
+            end = r.cached if self.slots.tree is None else r.cached // ps * ps
+            cut = end - self.window + 1
             if cut <= r.swa_released_upto:
                 continue
             freed = self.slots.free_swa(r.locs[r.swa_released_upto:cut])
@@ -243,7 +266,9 @@ class Scheduler:
         """Take a running request's KV off the device: to host memory if it fits, else drop it."""
         self.running.remove(r)
         if self.slots.can_offload(len(r.locs)):
-            r.offloaded = self.slots.offload(r.locs, r.swa_released_upto)
+            swa_from = self._window_start(r)
+            r.offloaded = self.slots.offload(r.locs, swa_from)
+            r.swa_released_upto = swa_from
             self.stats.add_hicache_offloads(1)
             self.stats.record_retraction("offload")
         else:
@@ -253,10 +278,22 @@ class Scheduler:
         r.status = "waiting"
         self.waiting.appendleft(r)
 
+    def _window_start(self, r: Req) -> int:
+        """First position whose SWA slot the request still needs (page-aligned); all from there on are mapped.
+        A held prefix's positions below `swa_released_upto` can be inside the window: the cache keeps them."""
+        if self.window is None:
+            return 0
+        ps = self.slots.page_size
+        return min(r.swa_released_upto, max(0, r.cached - self.window + 1) // ps * ps)
+
     def _free_slots(self, r: Req) -> None:
+        """Free the request's own slots (after its held prefix) and release the prefix and its row."""
+        hold = self.holds.pop(r, None)
         if r.locs:
-            self.slots.free(r.locs)
+            self.slots.free(r.locs[hold.length if hold else 0:])
             r.locs = []
+        if hold is not None:
+            self.slots.release_prefix(hold)
         if r.row > 0:
             self.free_rows.append(r.row)
             r.row = -1
@@ -264,6 +301,11 @@ class Scheduler:
     def _finish(self, r: Req, status: str, reason: str) -> None:
         if r in self.running:
             self.running.remove(r)
+        if status == "finished" and r.locs and self.slots.tree is not None:
+            # every slot in r.locs has its KV written (the forward ran): the cache takes them all
+            ids = r.all_ids()[:r.cached]
+            self.slots.cache_prefix(ids, r.locs, self.holds.pop(r, None), r.swa_released_upto)
+            r.locs = []
         self._free_slots(r)
         if r.offloaded is not None:
             self.slots.drop(r.offloaded)

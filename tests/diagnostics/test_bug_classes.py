@@ -84,7 +84,7 @@ def unhooked_slot_mover(mp):
 def rebinding_pool(mp):
     """The pool adopts a rebuilt mapping by rebinding the allocator's attribute instead of registering it."""
 
-    def register_mapping(self, mapping):
+    def register_mapping(self, mapping, site="register_mapping"):
         self.allocator.full_to_swa_index_mapping = mapping
 
     mp.setattr(HybridKVPool, "register_mapping", register_mapping)
