@@ -89,8 +89,9 @@ def per_forward_cost(batch: int, full_size: int, forwards: int = 2000) -> dict[s
     return out
 
 
-def decode_step_ms(model: str, batch: int, steps: int = 24) -> float:
-    """Median decode forward of a real engine at `batch` requests (64-token prompts), default settings."""
+def decode_step_ms(model: str, batch: int, steps: int = 24) -> tuple[float, int]:
+    """Median decode forward of a real engine at `batch` requests (64-token prompts), default settings; and
+    its full pool size (the mapping the end-of-forward check compares)."""
     from runtime.config import EngineConfig
     from runtime.core import SamplingParams
     from runtime.engine import Engine
@@ -106,15 +107,12 @@ def decode_step_ms(model: str, batch: int, steps: int = 24) -> float:
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, 200, (64,), generator=gen).tolist() for _ in range(batch)]
     engine.generate(prompts, SamplingParams(max_new_tokens=steps, ignore_eos=True))
-    return statistics.median(times[2:]) * 1e3
+    return statistics.median(times[2:]) * 1e3, engine.resolved.full_pool_size
 
 
 def step_overhead(batch: int, model: str) -> None:
-    from runtime.config import EngineConfig
-
-    full_size = EngineConfig().max_total_tokens
     start = time.perf_counter()
-    step = decode_step_ms(model, batch)
+    step, full_size = decode_step_ms(model, batch)
     costs = per_forward_cost(batch, full_size)
     print(f"\nper decode forward (batch {batch}, {SLIDING_LAYERS} sliding layers, mapping of {full_size} slots), "
           f"next to a {model} decode step of {step:.2f} ms (median, default engine):")

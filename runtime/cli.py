@@ -1,4 +1,4 @@
-"""`swa-runtime` command line: generate | bench | serve | diagnose."""
+"""`swa-runtime` command line: generate | bench | serve | fleet | diagnose."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
+from runtime.fleet import add_fleet_args
 from runtime.options import add_engine_args, engine_config
 from runtime.server.options import add_server_args
 
@@ -44,6 +45,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.serve:
+        from runtime.bench_serve import run_bench_serve
+        from runtime.options import engine_argv
+
+        return run_bench_serve(args, engine_config(args), engine_argv(args))
     from runtime.bench import run_bench
 
     return run_bench(args, engine_config(args))
@@ -53,6 +59,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from runtime.server.launch import serve
 
     return serve(args)
+
+
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from runtime.fleet import run_fleet
+
+    return run_fleet(args)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
@@ -110,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--overhead-rounds", type=int, default=6,
                        help="on/off run pairs of the telemetry-overhead measurement")
     bench.add_argument("--json", metavar="PATH", default=None, help="also write the numbers to PATH as JSON")
+    served = bench.add_argument_group("through the server (--serve)")
+    served.add_argument("--serve", action="store_true",
+                        help="measure through `swa-runtime serve` and the OpenAI API at each --concurrency")
+    served.add_argument("--concurrency", default="1,8,32", help="concurrent clients, comma-separated")
+    served.add_argument("--min-requests", type=int, default=3, help="requests per level at least")
+    served.add_argument("--peer", metavar="URL", default=None, help="another OpenAI-compatible server to hold it against")
+    served.add_argument("--peer-model", default="default", help="the `model` field sent to --peer")
+    served.add_argument("--stall-body-mb", type=float, default=4.0, help="body another client sends mid-stream")
+    served.add_argument("--transformers-max-batch", type=int, default=8, help="largest static batch for transformers")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="HTTP server: /generate, /v1/completions, /metrics, /health")
@@ -121,6 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    fleet = sub.add_parser("fleet", help="N serve replicas on loopback behind the SGLang router, supervised")
+    add_engine_args(fleet)
+    add_fleet_args(fleet)
+    fleet.set_defaults(func=cmd_fleet)
 
     diag = sub.add_parser("diagnose", help="run every forward mode and policy, report translation-cache events "
                           "with their origin and a suggested fix (exit 1 on any bug-class event)")

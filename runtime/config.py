@@ -22,8 +22,11 @@ class EngineConfig:
     graphs: bool = True  # graph replay for decode (CUDA graphs on GPU, static-buffer replay on CPU)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     page_size: int = 1
-    max_total_tokens: int = 16384  # full pool
-    swa_full_tokens_ratio: float = 0.25  # SWA pool size / full pool size
+    # KV pools: by default sized from a memory budget (GiB of K+V), the SWA pool for the concurrency it must
+    # serve; `max_total_tokens` (and `swa_full_tokens_ratio`) size them by hand instead.
+    kv_cache_memory: float = 1.0
+    max_total_tokens: int | None = None  # full pool in tokens
+    swa_full_tokens_ratio: float | None = None  # SWA pool size / full pool size (with max_total_tokens)
     max_running_requests: int = 16
     context_length: int | None = None  # None: the model's
     chunked_prefill_size: int = 2048
@@ -44,10 +47,12 @@ class EngineConfig:
             raise ValueError(f"--loc-cache-verify must be within [0, 1], got {self.loc_cache_verify}")
         if self.page_size < 1:
             raise ValueError(f"--page-size must be >= 1, got {self.page_size}")
-        if self.max_total_tokens < self.page_size:
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
             raise ValueError(f"--max-total-tokens must be at least one page ({self.page_size})")
-        if not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+        if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
             raise ValueError(f"--swa-full-tokens-ratio must be within (0, 1], got {self.swa_full_tokens_ratio}")
+        if not self.kv_cache_memory > 0:
+            raise ValueError(f"--kv-cache-memory must be a positive number of GiB, got {self.kv_cache_memory}")
         if self.hicache_size < 0:
             raise ValueError(f"--hicache-size must be >= 0, got {self.hicache_size}")
         if self.chunked_prefill_size < 1 or self.max_running_requests < 1:
@@ -59,19 +64,47 @@ class EngineConfig:
     def resolve(self, model_config) -> "ResolvedConfig":
         """The values derived from this config and the model's, computed once (raises PoolTooSmallError)."""
         ps = self.page_size
-        full = self.max_total_tokens // ps * ps
-        swa = int(full * self.swa_full_tokens_ratio) // ps * ps
         window = model_config.sliding_window if model_config.sliding_layer_ids else None
+        limit = model_config.max_position_embeddings
+        context = min(self.context_length or limit, limit)
+        if self.max_total_tokens is not None:
+            full = self.max_total_tokens // ps * ps
+            swa = int(full * (self.swa_full_tokens_ratio or 0.25)) // ps * ps
+        else:
+            full, swa = self._budget_pools(model_config, window, context)
         if window is not None and swa < window + ps:
             raise PoolTooSmallError(
                 f"SWA pool of {swa} tokens cannot hold one sliding window ({window}) plus a page ({ps}); "
                 f"raise --max-total-tokens ({self.max_total_tokens}) or --swa-full-tokens-ratio "
                 f"({self.swa_full_tokens_ratio})"
             )
-        limit = model_config.max_position_embeddings
-        context = min(self.context_length or limit, limit)
         return ResolvedConfig(engine=self, full_pool_size=full, swa_pool_size=swa, window=window,
                               context_length=context, vocab_size=model_config.vocab_size)
+
+
+    def _budget_pools(self, model_config, window: int | None, context: int) -> tuple[int, int]:
+        """(full, SWA) pool sizes from `kv_cache_memory`. The SWA pool holds what `max_running_requests`
+        requests can need at once (a window and a page each, plus one prefill chunk), so a full batch never
+        thrashes on it; the full pool takes the rest of the budget, but no more than every running request's
+        whole context (more would never be used)."""
+        ps, element = self.page_size, 2 if self.dtype == "bfloat16" else 4
+        per_layer = 2 * model_config.num_key_value_heads * model_config.head_dim * element  # K and V
+        full_bytes = per_layer * len(model_config.full_layer_ids)
+        swa_bytes = per_layer * len(model_config.sliding_layer_ids)
+        budget = int(self.kv_cache_memory * 2**30)
+        ceiling = -(-(self.max_running_requests * context + self.chunked_prefill_size) // ps) * ps
+        swa = 0
+        if window is not None:
+            swa = self.max_running_requests * (window + ps) + self.chunked_prefill_size
+            swa = min(-(-swa // ps) * ps, ceiling)
+        full = (budget - swa * swa_bytes) // max(full_bytes, 1) // ps * ps
+        full = min(full, ceiling)
+        if full < max(swa, ps):
+            raise PoolTooSmallError(
+                f"--kv-cache-memory {self.kv_cache_memory:g} GiB holds the SWA pool for {self.max_running_requests} "
+                f"requests ({swa} tokens, {swa * swa_bytes / 2**20:.0f} MiB) but leaves no room for the full pool: "
+                "raise --kv-cache-memory or lower --max-running-requests")
+        return full, swa
 
 
 class PoolTooSmallError(ValueError):

@@ -27,7 +27,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "is ever returned)")
     g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
     g.add_argument("--page-size", type=int, default=d.page_size)
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="full KV pool size in tokens")
+    g.add_argument("--kv-cache-memory", type=memory_gib, default=d.kv_cache_memory, metavar="GIB|PCT%",
+                   help="memory for K and V: GiB, or a percentage of the memory available now (e.g. 25%%); the "
+                        "SWA pool is sized for --max-running-requests, the full pool gets the rest")
+    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens,
+                   help="full KV pool size in tokens (sizes the pools by hand instead of --kv-cache-memory)")
     g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
                    help="SWA pool size as a fraction of the full pool")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
@@ -45,12 +49,52 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--log-level", default="WARNING")
 
 
+def memory_gib(text: str) -> float:
+    """`--kv-cache-memory`: GiB, or `N%` of the memory available now (MemAvailable of /proc/meminfo)."""
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0 < share <= 1:
+                raise ValueError
+            with open("/proc/meminfo") as f:
+                kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+            return share * kib / 2**20
+        value = float(text)
+    except (ValueError, OSError, StopIteration):
+        raise argparse.ArgumentTypeError(f"--kv-cache-memory wants GiB (e.g. 2) or a percentage of the available "
+                                         f"memory (e.g. 25%), got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--kv-cache-memory must be positive, got {text!r}")
+    return value
+
+
+def engine_argv(args: argparse.Namespace) -> list[str]:
+    """The engine options of `args` as command-line flags (those that differ from the defaults), to start
+    another process (`swa-runtime serve`) with the same engine."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:  # NOTE: argparse offers no public list of a parser's options
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[-1]
+        if isinstance(action, argparse._StoreTrueAction):
+            argv.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            argv += [x for v in value for x in (flag, str(v))]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, attention_backend=args.attention_backend, loc_cache=args.loc_cache,
         loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
         graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
+        kv_cache_memory=args.kv_cache_memory,
         context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
         hicache_size=args.hicache_size, disable_prefix_caching=args.disable_prefix_caching, seed=args.seed,
         inject=tuple(args.inject),
