@@ -1,4 +1,5 @@
-"""The FastAPI app: /generate, /v1/completions, /v1/chat/completions, /v1/models, /metrics, /health.
+"""The FastAPI app: /generate, /v1/completions, /v1/chat/completions, /v1/models, /metrics, /health, and
+what the SGLang router calls besides (server and model info, /get_load, /abort_request: `router_compat.py`).
 
 Handlers never touch the scheduler: they submit to the `EngineLoop` and read the request's stream. A client
 that disconnects (streaming or not) aborts its request, which frees its KV slots. Every error is answered
@@ -39,7 +40,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
-from runtime.server import chat, protocol
+from runtime.server import chat, protocol, router_compat
 from runtime.server.body import read_body, require_json
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
 from runtime.server.options import ServerOptions
@@ -177,34 +178,44 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
             raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error")
 
     # ---- routes ------------------------------------------------------------------------------------------
+    live = router_compat.LiveRequests()  # by the ids clients gave, for /abort_request
+    router_compat.add_routes(app, engine_loop=engine_loop, model_name=model_name, live=live,
+                             body_timeout_s=opts.body_timeout_s)
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await parse(request, protocol.GenerateRequest)
+        check_model(body.model)
+        client_rid = router_compat.client_request_id(request, body.rid)
         params = body.sampling_params.to_params()
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
                                      params.max_new_tokens)
         stream = await engine_loop.submit(prompt_ids, params)
+        rid = live.add(stream, client_rid)
         if body.stream:
-            return SSEResponse(_generate_events(stream, tokenizer), on_close=stream.abort)
+            return SSEResponse(_generate_events(stream, tokenizer, rid), on_close=stream.abort)
         await collect(stream, request)
-        return JSONResponse(protocol.generate_body(stream.rid, tokenizer.decode(stream.output_ids), stream.output_ids,
+        return JSONResponse(protocol.generate_body(rid, tokenizer.decode(stream.output_ids), stream.output_ids,
                                                    stream.prompt_tokens, len(stream.output_ids), stream.finish_reason))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await parse(request, protocol.CompletionRequest)
         check_model(body.model)
+        client_rid = router_compat.client_request_id(request, None)
         params = body.to_params()
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
         stops = protocol.stop_strings(body.stop)
         stream = await engine_loop.submit(prompt_ids, params)
+        rid = live.add(stream, client_rid)
         now = int(time.time())
         if body.stream:
-            return SSEResponse(_completion_events(stream, tokenizer, model_name, now, stops), on_close=stream.abort)
+            return SSEResponse(_completion_events(stream, tokenizer, rid, model_name, now, stops),
+                               on_close=stream.abort)
         text, reason = await collect_text(stream, request, stops)
-        return JSONResponse(protocol.completion_body(stream.rid, now, model_name, text, reason,
+        return JSONResponse(protocol.completion_body(rid, now, model_name, text, reason,
                                                      (stream.prompt_tokens, len(stream.output_ids))))
 
     @app.post("/v1/chat/completions")
@@ -294,12 +305,12 @@ async def _sse_events(stream: RequestStream, tokenizer, body: Callable[[str, Any
     yield protocol.SSE_DONE
 
 
-def _generate_events(stream: RequestStream, tokenizer) -> AsyncIterator[bytes]:
+def _generate_events(stream: RequestStream, tokenizer, rid: str) -> AsyncIterator[bytes]:
     return _sse_events(stream, tokenizer, lambda delta, ev: protocol.generate_body(
-        stream.rid, delta, list(ev.token_ids), stream.prompt_tokens, len(stream.output_ids), ev.finish_reason))
+        rid, delta, list(ev.token_ids), stream.prompt_tokens, len(stream.output_ids), ev.finish_reason))
 
 
-async def _completion_events(stream: RequestStream, tokenizer, model: str, created: int,
+async def _completion_events(stream: RequestStream, tokenizer, rid: str, model: str, created: int,
                              stops: tuple[str, ...]) -> AsyncIterator[bytes]:
     """`text_completion` chunks as the text arrives, cut at the first stop string; the last carries the
     finish reason and the usage. A request the server ended gets an error event instead."""
@@ -307,11 +318,11 @@ async def _completion_events(stream: RequestStream, tokenizer, model: str, creat
         async for piece in text_pieces(stream, tokenizer, stops):
             if piece.failure is not None:
                 if piece.text:
-                    yield protocol.sse(protocol.completion_body(stream.rid, created, model, piece.text, None, None))
+                    yield protocol.sse(protocol.completion_body(rid, created, model, piece.text, None, None))
                 yield protocol.sse(protocol.error_body(*piece.failure))
                 break
             usage = (stream.prompt_tokens, len(stream.output_ids)) if piece.finish_reason is not None else None
-            yield protocol.sse(protocol.completion_body(stream.rid, created, model, piece.text, piece.finish_reason,
+            yield protocol.sse(protocol.completion_body(rid, created, model, piece.text, piece.finish_reason,
                                                         usage))
     yield protocol.SSE_DONE
 

@@ -1,0 +1,114 @@
+"""What the SGLang router needs of a worker (runtime/server/router_compat.py), on a live tiny server: bodies as
+the router re-serialises them, registration info without a tokenizer path, load, request ids and aborts."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import sse_events
+
+PROMPT = [2] + [(29 * i) % 256 + 4 for i in range(1, 12)]
+# Exactly what sglang-router 0.3.2 forwards for {"input_ids": ..., "sampling_params": ..., "rid": ...}.
+ROUTER_FIELDS = {"model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+                 "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+                 "return_entropy": False}
+ROUTER_COMPLETION_FIELDS = {"stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+                            "skip_special_tokens": True, "return_hidden_states": False}
+
+
+def generate(client, **body):
+    return client.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 6}, **body})
+
+
+def test_router_generate_body_is_served_like_ours(client):
+    ours = generate(client).json()
+    routed = generate(client, **ROUTER_FIELDS, rid="client-7")
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["output_ids"] == ours["output_ids"] and len(ours["output_ids"]) == 6
+    assert routed.json()["meta"]["id"] == "client-7"
+    assert ours["meta"]["id"].startswith("req-")
+
+
+@pytest.mark.parametrize("field, value", [("return_hidden_states", True), ("background", True),
+                                          ("return_bytes", True), ("return_entropy", True)])
+def test_router_fields_asking_for_what_we_do_not_do_are_refused(client, field, value):
+    r = generate(client, **{field: value})
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == f"{field}: only false is supported by this server"
+
+
+def test_unknown_fields_and_other_models_are_still_refused(client):
+    r = generate(client, bogus=1)
+    assert r.status_code == 422 and "bogus" in r.json()["error"]["message"]
+    r = generate(client, model="gemma3-270m")
+    assert r.status_code == 404 and "'gemma3-270m' not found" in r.json()["error"]["message"]
+    assert generate(client, model="tiny").status_code == 200
+
+
+def test_router_completion_fields_and_request_id_header(client):
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0, **ROUTER_COMPLETION_FIELDS}
+    r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
+    assert r.status_code == 200, r.text
+    assert r.json()["id"] == "cmpl-trace-42" and r.json()["usage"]["completion_tokens"] == 5
+    r = client.post("/v1/completions", json={**body, "echo": True})
+    assert r.status_code == 422 and r.json()["error"]["message"] == "echo: only false is supported by this server"
+    r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 129})
+    assert r.status_code == 400 and "at most 128" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path", ["/server_info", "/get_server_info", "/model_info", "/get_model_info"])
+def test_registration_names_the_model_and_no_tokenizer_path(client, path):
+    info = client.get(path).json()
+    assert info["served_model_name"] == "tiny"
+    # a model_path or tokenizer_path would make the router load a tokenizer from it (a download for a name)
+    assert "model_path" not in info and "tokenizer_path" not in info
+
+
+def test_load_reports_requests_and_kv_tokens(client, live):
+    assert client.get("/get_load").json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
+    seen = []
+    with client.stream("POST", "/generate", json={"input_ids": PROMPT, "stream": True, "rid": "long-1",
+                                                  "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                seen = client.get("/get_load").json()
+                break
+    (load,) = seen
+    assert load["num_reqs"] == 1 and load["num_tokens"] >= len(PROMPT)
+    live.wait_idle_clean()
+
+
+@pytest.mark.parametrize("abort", [{"rid": "to-abort"}, {"abort_all": True}])
+def test_abort_request_ends_the_stream_and_frees_its_slots(client, live, abort):
+    events, started = [], threading.Event()
+
+    def consume():
+        body = {"input_ids": PROMPT, "stream": True, "rid": "to-abort",
+                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+        with client.stream("POST", "/generate", json=body) as r:
+            lines = []
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+            events.extend(sse_events(lines))
+
+    worker = threading.Thread(target=consume)
+    worker.start()
+    assert started.wait(30)
+    r = client.post("/abort_request", json=abort)
+    assert r.status_code == 200 and r.json() == {}
+    worker.join(30)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["meta"]["finish_reason"] == "abort" and events[-2]["meta"]["id"] == "to-abort"
+    assert events[-2]["meta"]["completion_tokens"] < 900
+    live.wait_idle_clean()
+    assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200  # ended: a no-op
+
+
+def test_abort_request_validates_its_body(client):
+    r = client.post("/abort_request", json={})
+    assert r.status_code == 422 and "exactly one of `rid` or `abort_all: true`" in r.json()["error"]["message"]
+    assert client.post("/abort_request", content=b'{"rid": "x"}').status_code == 415
+    assert client.post("/abort_request", json={"abort_all": True}).status_code == 200
