@@ -92,7 +92,7 @@ HICACHE_DIRECTIONS = ("offload", "loadback")
 # Prefix-cache nodes: full and SWA KV on the device (`device`), full KV only (`tombstoned`: the SWA side was
 # freed), or copied to the host tier (`host`). A gauge read from the tree: no `other`.
 PREFIX_NODE_STATES = ("device", "tombstoned", "host")
-LOG_EVENT_NAMES = ("loc_key_change", OTHER)
+LOG_EVENT_NAMES = ("loc_key_change", "engine_step_failed", OTHER)
 
 
 def fold(value: str, allowed: tuple[str, ...]) -> str:
@@ -126,3 +126,4 @@ LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
 
 # Structured log event names (the `event` label of LOG_EVENTS_SUPPRESSED).
 LOC_KEY_CHANGE_EVENT = "loc_key_change"
+ENGINE_STEP_FAILED_EVENT = "engine_step_failed"

@@ -37,13 +37,14 @@ import structlog
 from prometheus_client import generate_latest
 
 from runtime.core import Req, RequestError, SamplingParams
+from telemetry import names
 from telemetry.collector import make_registry
 from telemetry.ratelimit import RateLimiter
 
 log = structlog.get_logger("swa_runtime.server")
 
 SHUTDOWN_MESSAGE = "the server shut down before the request finished"
-STEP_FAILED_EVENT = "engine_step_failed"
+STEP_FAILED_EVENT = names.ENGINE_STEP_FAILED_EVENT
 
 
 class EngineUnavailable(RuntimeError):

@@ -105,7 +105,7 @@ def test_repeats_are_rate_limited_per_site_and_classification_and_counted(stats,
         ("kv_write", "cross_forward"),
         ("window_indices", "stale_loc"),
     ]
-    assert stats.suppressed_counts == {"loc_key_change": 2, "other": 0}
+    assert stats.suppressed_counts == {"loc_key_change": 2, "engine_step_failed": 0, "other": 0}
     assert registry.get_sample_value(names.LOG_EVENTS_SUPPRESSED, {"event": "loc_key_change"}) == 2
     # Every event is counted, logged or not.
     assert stats.translation.key_change_counts["kv_write", "stale_loc"] == 3

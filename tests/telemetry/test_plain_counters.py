@@ -38,7 +38,7 @@ def test_engine_stats_folds_modes_statuses_and_events():
     assert s.forward_counts == dict.fromkeys(names.FORWARD_MODES, 0) | {"other": 1}
     assert s.forward_seconds["other"].snapshot().count == 1
     assert s.request_counts["other"] == 1
-    assert s.suppressed_counts == {"loc_key_change": 0, "other": 1}
+    assert s.suppressed_counts == {"loc_key_change": 0, "engine_step_failed": 0, "other": 1}
     assert s.build_info.policy == "off" and s.translation.policy == "off"
     assert s.gauges.kv_tokens() == {} and s.gauges.queue_sizes() == (0, 0)
 
