@@ -20,6 +20,7 @@ SEL = 'job=~"$job", instance=~"$instance"'
 RATE = "$__rate_interval"
 NON_BENIGN = 'classification!="benign_fresh_tensor"'
 USED, TOTAL = 'state="used"', 'state="total"'
+PREFIX_SITES = 'site=~"prefix_.+"'  # the prefix cache's invalidation sites
 
 # Alert levels drawn on the panels they belong to (keep in step with prometheus/rules/alerts.yml).
 HIT_RATIO_ALERT = 0.5
@@ -117,7 +118,8 @@ def invalidation_and_events() -> list[dict[str, Any]]:
         timeseries(
             "Invalidations by site",
             "Cache invalidations per second by site: allocator and mapping mutations (alloc, free, "
-            "free_swa, clear, set_mapping, clear_swa_mapping, register_mapping), lifecycle points "
+            "free_swa, clear, set_mapping, clear_swa_mapping, register_mapping; the prefix cache's "
+            "prefix_evict, prefix_tombstone, prefix_loadback), lifecycle points "
             "(forward_entry, graph_capture) and explicit calls without a site (manual).",
             "ops",
             [target(f"sum by (site) ({rate(inv)})", "{{site}}")],
@@ -245,6 +247,68 @@ def kv_memory() -> list[dict[str, Any]]:
     ]
 
 
+def prefix_cache() -> list[dict[str, Any]]:
+    hits, queries = n.PREFIX_CACHE_HITS, n.PREFIX_CACHE_QUERIES
+    return [
+        row("Prefix cache"),
+        timeseries(
+            "Prefix-cache hit rate",
+            "Prompt tokens found in the prefix cache / prompt tokens looked up (both counted at admission). A chat "
+            "that resends its conversation should read well above 0; cached tokens are not prefilled again.",
+            "percentunit",
+            [target(f"sum({rate(hits)})\n/\n(sum({rate(queries)}) > 0)", "hit rate")],
+            min_=0,
+            max_=1,
+        ),
+        stat(
+            "Prefix-cache hit rate (5m)",
+            "The recording rule swa_runtime:prefix_cache_hit_ratio:rate5m per instance.",
+            "percentunit",
+            [target(f"swa_runtime:prefix_cache_hit_ratio:rate5m{sel()}", "{{instance}}")],
+            min_=0,
+            max_=1,
+        ),
+        timeseries(
+            "Prefix-cache tokens by pool",
+            "Device slots the prefix cache holds: full-pool KV of every cached prefix, SWA KV only for the last "
+            "window of each (older SWA slots are freed and their nodes tombstoned). Unlocked ones count as "
+            "available in the KV panels: eviction frees them on demand.",
+            "short",
+            [target(f"sum by (pool) ({n.PREFIX_CACHE_TOKENS}{sel()})", "{{pool}}")],
+        ),
+        timeseries(
+            "Prefix-cache nodes by state",
+            "Radix-tree nodes: device (full and SWA KV), tombstoned (full KV only; still serves longer prefixes "
+            "through it), host (evicted to the host tier, loaded back on a later match).",
+            "short",
+            [target(f"sum by (state) ({n.PREFIX_CACHE_NODES}{sel()})", "{{state}}")],
+            stack=True,
+        ),
+        timeseries(
+            "Prefix-cache evictions by pool",
+            "Slots per second the prefix cache freed under pool pressure, least recently used first: full "
+            "(nodes sent to the host tier or dropped) and swa (SWA sides tombstoned or evicted with their node).",
+            "short",
+            [target(f"sum by (pool) ({rate(n.PREFIX_CACHE_EVICTED_TOKENS)})", "{{pool}}")],
+        ),
+        timeseries(
+            "Host-tier traffic by direction",
+            "Bytes per second of KV copied to host memory (offload: retracted requests and evicted prefix-cache "
+            "nodes) and back into new device slots (loadback: each registers a rebuilt mapping).",
+            "Bps",
+            [target(f"sum by (direction) ({rate(n.HICACHE_BYTES)})", "{{direction}}")],
+        ),
+        timeseries(
+            "Prefix-cache mapping mutations",
+            "Translation-cache invalidations per second at the prefix cache's mutation sites: prefix_evict (a "
+            "node's slots freed), prefix_tombstone (its SWA side freed), prefix_loadback (a rebuilt mapping "
+            "registered after a load-back from the host tier).",
+            "ops",
+            [target(f"sum by (site) ({rate(n.LOC_CACHE_INVALIDATIONS, PREFIX_SITES)})", "{{site}}")],
+        ),
+    ]
+
+
 def requests() -> list[dict[str, Any]]:
     return [
         row("Requests"),
@@ -348,7 +412,7 @@ def variables() -> list[dict[str, Any]]:
 
 
 def build() -> dict[str, Any]:
-    items = translation_cache() + invalidation_and_events() + forwards() + kv_memory() + requests()
+    items = translation_cache() + invalidation_and_events() + forwards() + kv_memory() + prefix_cache() + requests()
     return {
         "uid": DASHBOARD_UID,
         "title": "swa-runtime: KV location translation",

@@ -34,6 +34,7 @@ class TelemetryCollector:
         yield from self._translation()
         yield from self._forwards()
         yield from self._kv()
+        yield from self._prefix_cache()
         yield from self._requests()
         yield from self._logging_and_build()
 
@@ -113,6 +114,38 @@ class TelemetryCollector:
         for kind, n in s.retraction_counts.items():
             retractions.add_metric([kind], n)
         yield retractions
+        traffic = CounterMetricFamily(
+            names.HICACHE_BYTES, "Bytes of KV copied between the device and the host tier, by direction.",
+            labels=["direction"],
+        )
+        for direction, n in s.hicache_bytes.items():
+            traffic.add_metric([direction], n)
+        yield traffic
+
+    def _prefix_cache(self) -> Iterator[Metric]:
+        p = self._stats.prefix_cache
+        yield _counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", p.queried_tokens)
+        yield _counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache (not prefilled).", p.hit_tokens)
+        cached = GaugeMetricFamily(
+            names.PREFIX_CACHE_TOKENS, "Device slots the prefix cache holds, by pool.", labels=["pool"]
+        )
+        evicted = CounterMetricFamily(
+            names.PREFIX_CACHE_EVICTED_TOKENS,
+            "Slots the prefix cache freed under pressure, by pool (full: nodes sent to the host tier or dropped; "
+            "swa: SWA sides tombstoned or evicted with their node).",
+            labels=["pool"],
+        )
+        for pool in names.KV_POOLS:
+            cached.add_metric([pool], p.cached_tokens[pool])
+            evicted.add_metric([pool], p.evicted_tokens[pool])
+        nodes = GaugeMetricFamily(
+            names.PREFIX_CACHE_NODES,
+            "Prefix-cache nodes by state: device (full and SWA KV), tombstoned (full KV only), host (on the host tier).",
+            labels=["state"],
+        )
+        for state in names.PREFIX_NODE_STATES:
+            nodes.add_metric([state], p.nodes[state])
+        yield from (cached, evicted, nodes)
 
     def _requests(self) -> Iterator[Metric]:
         s = self._stats

@@ -26,8 +26,7 @@ from collections import deque
 
 from runtime.config import ResolvedConfig
 from runtime.core import Req, RequestError
-from runtime.mem_cache.radix_cache import PrefixMatch
-from runtime.mem_cache.slots import KVSlots
+from runtime.mem_cache.slots import KVSlots, PrefixMatch
 from runtime.scheduler.batch import ScheduledBatch
 
 

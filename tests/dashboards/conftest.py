@@ -52,6 +52,12 @@ class FakeRuntime:
         self.offloads = Counter(n.HICACHE_OFFLOADS, "offloads", registry=r)
         self.loadbacks = Counter(n.HICACHE_LOADBACKS, "loadbacks", registry=r)
         self.retractions = Counter(n.RETRACTIONS, "retractions", ["kind"], registry=r)
+        self.host_bytes = Counter(n.HICACHE_BYTES, "host bytes", ["direction"], registry=r)
+        self.prefix_queries = Counter(n.PREFIX_CACHE_QUERIES, "prefix queries", registry=r)
+        self.prefix_hits = Counter(n.PREFIX_CACHE_HITS, "prefix hits", registry=r)
+        self.prefix_tokens = Gauge(n.PREFIX_CACHE_TOKENS, "prefix tokens", ["pool"], registry=r)
+        self.prefix_nodes = Gauge(n.PREFIX_CACHE_NODES, "prefix nodes", ["state"], registry=r)
+        self.prefix_evicted = Counter(n.PREFIX_CACHE_EVICTED_TOKENS, "prefix evicted", ["pool"], registry=r)
         self.requests = Counter(n.REQUESTS_TOTAL, "requests", ["status"], registry=r)
         self.prompt = Counter(n.PROMPT_TOKENS, "prompt", registry=r)
         self.generated = Counter(n.GENERATION_TOKENS, "gen", registry=r)
@@ -82,6 +88,13 @@ class FakeRuntime:
             self.requests.labels(status)
         for kind in n.RETRACTION_KINDS:
             self.retractions.labels(kind)
+        for direction in n.HICACHE_DIRECTIONS:
+            self.host_bytes.labels(direction)
+        for pool in n.KV_POOLS:
+            self.prefix_tokens.labels(pool)
+            self.prefix_evicted.labels(pool)
+        for state in n.PREFIX_NODE_STATES:
+            self.prefix_nodes.labels(state)
         for event in n.LOG_EVENT_NAMES:
             self.suppressed.labels(event)
         for pool, total in (("full", 16384), ("swa", 4096)):
@@ -116,6 +129,18 @@ class FakeRuntime:
             self.offloads.inc()
             self.loadbacks.inc()
             self.retractions.labels("offload").inc()
+            self.host_bytes.labels("offload").inc(1 << 20)
+            self.host_bytes.labels("loadback").inc(1 << 19)
+        # a multi-turn chat: 3 of every 4 prompt tokens were cached by an earlier turn
+        self.prefix_queries.inc(64)
+        self.prefix_hits.inc(48)
+        self.prefix_evicted.labels("full").inc(16)
+        self.prefix_evicted.labels("swa").inc(8)
+        self.prefix_tokens.labels("full").set(4000 + self.step)
+        self.prefix_tokens.labels("swa").set(512)
+        self.prefix_nodes.labels("device").set(8)
+        self.prefix_nodes.labels("tombstoned").set(20)
+        self.prefix_nodes.labels("host").set(5)
         self.kv.labels("full", "used").set(2000 + 10 * self.step)
         self.kv.labels("full", "available").set(16384 - 2000 - 10 * self.step)
         self.kv.labels("swa", "used").set(1024)
@@ -163,7 +188,9 @@ def live_prometheus(tmp_path_factory, fake_runtime) -> Iterator[str]:
     _, exporter_port = fake_runtime
     proc, url = start_prometheus(tmp_path_factory.mktemp("prometheus"), f"127.0.0.1:{exporter_port}")
     try:
-        wait_for(lambda: prom_query(url, "swa_runtime:loc_cache_hit_ratio:rate5m"), 30, "recording rules with data")
+        # each rule group is evaluated on its own schedule: wait for every group the dashboard reads
+        rules = ("swa_runtime:loc_cache_hit_ratio:rate5m", "swa_runtime:prefix_cache_hit_ratio:rate5m")
+        wait_for(lambda: all(prom_query(url, rule) for rule in rules), 30, "recording rules with data")
         yield url
     finally:
         stop(proc)

@@ -43,6 +43,8 @@ LABELLED_COUNTERS = {
     names.FORWARD_TOTAL: series(("mode",), names.FORWARD_MODE_LABELS),
     names.REQUESTS_TOTAL: series(("status",), names.REQUEST_STATUS_LABELS),
     names.RETRACTIONS: series(("kind",), names.RETRACTION_KIND_LABELS),
+    names.HICACHE_BYTES: series(("direction",), names.HICACHE_DIRECTION_LABELS),
+    names.PREFIX_CACHE_EVICTED_TOKENS: series(("pool",), names.KV_POOLS),  # written by the cache only: no other
     names.LOG_EVENTS_SUPPRESSED: series(("event",), names.LOG_EVENT_LABELS),
 }
 PLAIN_COUNTERS = (
@@ -51,7 +53,17 @@ PLAIN_COUNTERS = (
     names.HICACHE_LOADBACKS,
     names.PROMPT_TOKENS,
     names.GENERATION_TOKENS,
+    names.PREFIX_CACHE_QUERIES,
+    names.PREFIX_CACHE_HITS,
 )
+# Gauges read at scrape time, by label set (no `other`).
+GAUGES = {
+    names.KV_TOKENS: series(("pool", "state"), names.KV_POOLS, names.KV_STATES),
+    names.PREFIX_CACHE_TOKENS: series(("pool",), names.KV_POOLS),
+    names.PREFIX_CACHE_NODES: series(("state",), names.PREFIX_NODE_STATES),
+    names.NUM_RUNNING_REQS: {()},
+    names.NUM_QUEUE_REQS: {()},
+}
 LATENCY_HISTOGRAMS = (names.TIME_TO_FIRST_TOKEN, names.INTER_TOKEN_LATENCY, names.E2E_REQUEST_LATENCY)
 
 
@@ -65,6 +77,7 @@ def test_exposed_label_sets_are_the_contract_sets_plus_other():
         (names.FORWARD_MODES, names.FORWARD_MODE_LABELS),
         (names.REQUEST_STATUSES, names.REQUEST_STATUS_LABELS),
         (names.RETRACTION_KINDS, names.RETRACTION_KIND_LABELS),
+        (names.HICACHE_DIRECTIONS, names.HICACHE_DIRECTION_LABELS),
         (names.LOG_EVENT_NAMES, names.LOG_EVENT_LABELS),
     ]:
         assert set(exposed) == set(contract) | {names.OTHER}
@@ -77,9 +90,8 @@ def test_every_series_exists_at_zero_before_any_event(registry):
         assert set(samples[name].values()) == {0.0}, name
     for name in PLAIN_COUNTERS:
         assert samples[name] == {(): 0.0}, name
-    assert samples[names.KV_TOKENS] == dict.fromkeys(series(("pool", "state"), names.KV_POOLS, names.KV_STATES), 0.0)
-    assert samples[names.NUM_RUNNING_REQS] == {(): 0.0}
-    assert samples[names.NUM_QUEUE_REQS] == {(): 0.0}
+    for name, expected in GAUGES.items():
+        assert samples[name] == dict.fromkeys(expected, 0.0), name
     assert samples[names.BUILD_INFO] == {
         (("backend", "torch"), ("model", "tiny-random"), ("policy", "memo"), ("version", "0.1.0-test")): 1.0
     }
@@ -103,11 +115,11 @@ def test_metric_types_and_no_foreign_metrics(registry):
     # The parser names a counter family without `_total`; the samples keep it (checked above).
     for name in [*LABELLED_COUNTERS, *PLAIN_COUNTERS]:
         assert t[name.removesuffix("_total")] == "counter", name
-    for name in (names.KV_TOKENS, names.NUM_RUNNING_REQS, names.NUM_QUEUE_REQS, names.BUILD_INFO):
+    for name in (*GAUGES, names.BUILD_INFO):
         assert t[name] == "gauge", name
     for name in (names.FORWARD_SECONDS, *LATENCY_HISTOGRAMS):
         assert t[name] == "histogram", name
-    assert len(t) == len(LABELLED_COUNTERS) + len(PLAIN_COUNTERS) + 4 + 1 + len(LATENCY_HISTOGRAMS)
+    assert len(t) == len(LABELLED_COUNTERS) + len(PLAIN_COUNTERS) + len(GAUGES) + 1 + 1 + len(LATENCY_HISTOGRAMS)
     assert all(n.startswith(names.PREFIX) for n in t)
 
 
@@ -150,6 +162,16 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
     stats.record_retraction("recompute")
     stats.record_retraction("swapped_to_disk")
     stats.log_suppressed(names.LOC_KEY_CHANGE_EVENT)
+    stats.add_hicache_bytes("offload", 4096)
+    stats.add_hicache_bytes("loadback", 1024)
+    stats.add_hicache_bytes("to_disk", 8)
+    pc = stats.prefix_cache
+    pc.record_lookup(40, 32)
+    pc.record_lookup(10, 0)
+    pc.evicted_tokens["full"] += 24
+    pc.evicted_tokens["swa"] += 7
+    pc.cached_tokens["full"], pc.cached_tokens["swa"] = 96, 14
+    pc.nodes["device"], pc.nodes["tombstoned"], pc.nodes["host"] = 2, 3, 5
     gauges.kv = {("full", "used"): 30, ("swa", "available"): 7, ("mystery", "used"): 99}
     gauges.queue = (3, 8)
 
@@ -217,6 +239,14 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
     assert s[names.HICACHE_LOADBACKS] == {(): 2.0}
     assert s[names.RETRACTIONS] == {(("kind", "offload"),): 1.0, (("kind", "recompute"),): 2.0,
                                     (("kind", "other"),): 1.0}
+    assert s[names.HICACHE_BYTES] == {(("direction", "offload"),): 4096.0, (("direction", "loadback"),): 1024.0,
+                                      (("direction", "other"),): 8.0}
+    assert s[names.PREFIX_CACHE_QUERIES] == {(): 50.0}
+    assert s[names.PREFIX_CACHE_HITS] == {(): 32.0}
+    assert s[names.PREFIX_CACHE_EVICTED_TOKENS] == {(("pool", "full"),): 24.0, (("pool", "swa"),): 7.0}
+    assert s[names.PREFIX_CACHE_TOKENS] == {(("pool", "full"),): 96.0, (("pool", "swa"),): 14.0}
+    assert s[names.PREFIX_CACHE_NODES] == {(("state", "device"),): 2.0, (("state", "tombstoned"),): 3.0,
+                                           (("state", "host"),): 5.0}
     assert value(names.LOG_EVENTS_SUPPRESSED, event="loc_key_change") == 1
     assert value(names.LOG_EVENTS_SUPPRESSED, event="other") == 0
     # Unknown pools from the callback are ignored; missing pairs read 0.
