@@ -148,6 +148,10 @@ class Engine:
             logits_out.extend(torch.stack(r.logits) for r in reqs)
         return [r.output_ids for r in reqs]
 
+    def close(self) -> None:
+        """The engine is done serving: log what the event rate limiter still held back."""
+        self.reporter.flush()
+
     # ---- gauges (read at scrape time) --------------------------------------------------------------------
     def kv_tokens(self) -> dict[tuple[str, str], int]:
         return self.slots.usage()

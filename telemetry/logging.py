@@ -110,6 +110,7 @@ class EventReporter:
         self._max_first = max_first_events
         self._first: dict[tuple[str, str], KeyChangeEvent] = {}
         self._suppressed_since: dict[tuple[str, str], int] = {}
+        self._policy: dict[tuple[str, str], str] = {}
 
     def report(self, event: KeyChangeEvent) -> None:
         site = fold(event.site, names.TRANSLATE_SITE_LABELS)
@@ -125,12 +126,22 @@ class EventReporter:
         if not self._limiter.allow(key):
             self._stats.log_suppressed(names.LOC_KEY_CHANGE_EVENT)
             self._suppressed_since[key] = self._suppressed_since.get(key, 0) + 1
+            self._policy[key] = event.policy
             return
         self._log.warning(
             names.LOC_KEY_CHANGE_EVENT,
             suppressed_since_last=self._suppressed_since.pop(key, 0),
             **_log_fields(event),
         )
+
+    def flush(self) -> None:
+        """Log the repeats still held back, one summary record per (site, classification): at shutdown, so
+        a log read back holds every event the engine counted."""
+        for (site, classification), n in self._suppressed_since.items():
+            if n:
+                self._log.warning(names.LOC_KEY_CHANGE_SUPPRESSED_EVENT, policy=self._policy[site, classification],
+                                  site=site, classification=classification, suppressed_since_last=n)
+        self._suppressed_since.clear()
 
     def first_events(self) -> list[KeyChangeEvent]:
         """The first event of each (site, classification) seen, in order of first occurrence."""

@@ -126,4 +126,7 @@ LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
 
 # Structured log event names (the `event` label of LOG_EVENTS_SUPPRESSED).
 LOC_KEY_CHANGE_EVENT = "loc_key_change"
+# At shutdown, one record per (site, classification) with the repeats the rate limiter held back since its
+# last record, so that counts read back from a log (`diagnose --from-log`) equal the engine's.
+LOC_KEY_CHANGE_SUPPRESSED_EVENT = "loc_key_change_suppressed"
 ENGINE_STEP_FAILED_EVENT = "engine_step_failed"

@@ -33,7 +33,7 @@ from runtime.mem_cache.translation import ONE_OFF_SITE
 from telemetry import names
 from telemetry.events import KeyChangeEvent
 
-SUMMARY_EVENT = names.LOC_KEY_CHANGE_EVENT + "_suppressed"
+SUMMARY_EVENT = names.LOC_KEY_CHANGE_SUPPRESSED_EVENT
 LINE_KINDS = {  # why a piece of a line was not used, as the report says it
     "other_json": "JSON, not a key-change event",
     "not_json": "not JSON",

@@ -320,6 +320,7 @@ def run_workload(cfg: EngineConfig, work: Workload, model, tokenizer) -> RunResu
     drive.finish(seqs)
     outputs["midforward_remap"] = _phase_output(seqs)
     engine.scheduler.assert_idle_clean()
+    engine.close()
 
     stats, t, tree = engine.stats, engine.stats.translation, engine.slots.tree
     coverage = dict(runner.branch_counts)  # every runner branch, by name

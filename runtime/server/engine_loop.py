@@ -418,7 +418,7 @@ class EngineLoop:
         return final
 
     def _close(self) -> None:
-        """Refuse further posts; answer what is still in the inbox; end what is still live."""
+        """Refuse further posts; answer what is still in the inbox; end what is still live; flush the logs."""
         with self._lock:
             self._closed = True
             self._accepting = False
@@ -432,6 +432,7 @@ class EngineLoop:
                 self._end_all(_Final("abort", SHUTDOWN_MESSAGE), "aborted")
             except Exception as exc:  # noqa: BLE001
                 self._log.error("engine_close_failed", error=_describe(exc), where=_where(exc))
+        self.engine.close()
 
 
 def _describe(exc: BaseException, limit: int = 200) -> str:
