@@ -30,13 +30,12 @@ from __future__ import annotations
 import torch
 
 from runtime.config import POLICIES
-from runtime.diagnose.report import PolicyReport, Report, Row, render
+from runtime.diagnose.report import BENIGN, PolicyReport, Report, Row, render
 from runtime.diagnose.workload import PHASES, Mismatch, RunResult, Workload, compare, run_workload
 from runtime.executor.model_runner import BRANCHES
 from runtime.mem_cache.translation import ONE_OFF_SITE
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
-from telemetry.names import NON_BENIGN_CLASSIFICATIONS
 
 __all__ = ["PHASES", "REQUIRED_COVERAGE", "Report", "render", "run_diagnose"]
 
@@ -51,7 +50,7 @@ def _checks(run: RunResult, mismatches: list[Mismatch], reference: str) -> list[
     needed = dict.fromkeys([*run.coverage, *REQUIRED_COVERAGE])
     failures = [f"the workload did not exercise {name}" for name in needed if not run.coverage.get(name)]
     for (site, classification), n in sorted(run.key_change_counts.items()):
-        if classification in NON_BENIGN_CLASSIFICATIONS:
+        if classification != BENIGN:
             failures.append(f"{n} {classification} event(s) at {site}")
     if any(ONE_OFF_SITE in (e.site, e.prev_site) for e in run.first_events.values()):
         failures.append(f"the one-off `{ONE_OFF_SITE}` translation went through the cache "
@@ -92,7 +91,7 @@ def run_diagnose(model: str = "tiny", policies=POLICIES, inject=(), guard: bool 
             result = run(policy, **faulty)
             mismatches = compare(result, ref)
             reports.append(PolicyReport(policy, result, reference, mismatches, _checks(result, mismatches, reference)))
-            keys = sorted(result.key_change_counts, key=lambda k: (k[1] not in NON_BENIGN_CLASSIFICATIONS, k))
+            keys = sorted(result.key_change_counts, key=lambda k: (k[1] == BENIGN, k))
             for key in keys:
                 first = result.first_events.get(key)
                 rows.append(Row(policy, *key, result.key_change_counts[key], first,

@@ -28,7 +28,7 @@ from datetime import datetime, timezone
 from typing import BinaryIO
 
 from runtime.diagnose.log_lines import MAX_LINE_BYTES, clean, read_lines, split_line
-from runtime.diagnose.report import Row, render_rows, render_verdict, row_totals
+from runtime.diagnose.report import BENIGN, Row, render_rows, render_verdict, row_totals
 from runtime.mem_cache.translation import ONE_OFF_SITE
 from telemetry import names
 from telemetry.events import KeyChangeEvent
@@ -201,7 +201,7 @@ class LogReader:
         def order(key):
             instance, policy, site, classification = key
             return (instances[instance], policies.get(policy, len(policies)),
-                    classification not in names.NON_BENIGN_CLASSIFICATIONS, site, classification)
+                    classification == BENIGN, site, classification)
 
         rows = []
         for key in sorted(self.tallies, key=order):

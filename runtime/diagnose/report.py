@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from runtime.diagnose.workload import PHASES, Mismatch, RunResult
 from runtime.mem_cache.translation import ONE_OFF_SITE
 from telemetry.events import KeyChangeEvent
-from telemetry.names import NON_BENIGN_CLASSIFICATIONS
+BENIGN = "benign_fresh_tensor"
 
 
 MUTATION_CODE = {
@@ -58,7 +58,9 @@ def suggest_fix(e: KeyChangeEvent) -> str:
     if ONE_OFF_SITE in (e.site, e.prev_site):
         return (f"the one-off `{ONE_OFF_SITE}` translation went through the cache and evicted the forward's entry: "
                 "route it around the cache (docs/translation-rules.md rule 1)")
-    return "benign: a second tensor translated within one forward (one extra gather)"
+    if c == BENIGN:
+        return "benign: a second tensor translated within one forward (one extra gather)"
+    return f"an unknown classification ({c}): see docs/translation-rules.md of the build that logged it"
 
 
 def _stack(stack: str, outer: int = 3, inner: int = 2) -> str:
@@ -82,7 +84,7 @@ class Row:
 
     @property
     def benign(self) -> bool:
-        return self.classification not in NON_BENIGN_CLASSIFICATIONS
+        return self.classification == BENIGN  # anything else, `other` included (a newer build's class), is a bug
 
     def as_dict(self) -> dict:
         e, first = self.first, None

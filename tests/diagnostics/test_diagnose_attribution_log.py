@@ -21,7 +21,8 @@ def test_each_bug_event_is_one_attributed_json_record_and_repeats_are_counted(ca
     rc, report, records = run_cli(capsys, "--inject", "skip-forward-invalidation", "--loc-cache-guard", "off",
                                   "--policy", "memo")
     assert rc == 1
-    warnings = [r for r in records if r["level"] == "warning"]
+    warnings = [r for r in records if r["level"] == "warning" and r["event"] == "loc_key_change"]
+    summaries = [r for r in records if r["event"] == "loc_key_change_suppressed"]  # logged at shutdown
     assert {(r["site"], r["classification"]) for r in warnings} == {("kv_write", "stale_loc"),
                                                                    ("kv_write", "cross_forward")}
     assert len(warnings) == 2  # rate-limited: one record per (site, classification) in the run
@@ -41,12 +42,13 @@ def test_each_bug_event_is_one_attributed_json_record_and_repeats_are_counted(ca
     [run] = report["runs"]
     bug_events = sum(r["count"] for r in report["rows"] if not r["benign"])
     assert bug_events > len(warnings) and run["suppressed_logs"] == bug_events - len(warnings)
+    assert sum(s["suppressed_since_last"] for s in summaries) == run["suppressed_logs"]  # the log holds every one
 
 
 def test_the_mutation_that_made_an_entry_stale_is_named(capsys):
     rc, report, records = run_cli(capsys, "--inject", "skip-alloc-invalidation", "--policy", "layerwise")
     assert rc == 1
-    [rec] = [r for r in records if r["level"] == "warning"]
+    [rec] = [r for r in records if r["level"] == "warning" and r["event"] == "loc_key_change"]
     assert (rec["policy"], rec["site"], rec["classification"]) == ("layerwise", "kv_write", "stale_loc")
     assert rec["cause"] == "mapping changed at set_mapping"
     assert rec["prev_forward_id"] == rec["forward_id"] and rec["prev_site"] == "kv_write"
