@@ -155,8 +155,26 @@ def test_every_non_benign_classification_alerts():
 
 
 def test_recording_rules_follow_level_metric_operation():
+    """`swa_runtime:` rules are per scrape target (they keep `instance`); `swa_runtime_model:` rules aggregate a
+    fleet's replicas by model (they keep `model`, joined from the build info, and drop `instance`)."""
+    levels = set()
     for rule in load_rules():
         if "record" in rule:
             level, metric, operation = rule["record"].split(":")
-            assert level == "swa_runtime" and metric and operation, rule["record"]
+            assert level in ("swa_runtime", "swa_runtime_model") and metric and operation, rule["record"]
             assert not metric.startswith("swa_runtime") and not metric.endswith("_total"), rule["record"]
+            groupings = re.findall(r"\bby \(([^)]*)\)", rule["expr"])
+            if level == "swa_runtime_model":
+                assert all(g.startswith("job, model") for g in groupings), rule["record"]
+                assert "group_left (model) swa_runtime_build_info" in rule["expr"] or "build_info" in rule["expr"]
+            else:
+                assert all("instance" in g or g.startswith("le") for g in groupings if "job" in g), rule["record"]
+            levels.add(level)
+    assert levels == {"swa_runtime", "swa_runtime_model"}
+
+
+def test_every_alert_names_the_instance():
+    """In a fleet an alert must say which replica: every summary and description carries the instance."""
+    for rule in alerts():
+        for key in ("summary", "description"):
+            assert "$labels.instance" in rule["annotations"][key], (rule["alert"], key)
