@@ -1,7 +1,8 @@
-"""Render the swa-runtime Grafana dashboard (dashboards/dashboard.py) to JSON, or check it.
+"""Render the swa-runtime Grafana dashboards to JSON, or check them: the main one (dashboards/dashboard.py)
+and the fleet one (dashboards/fleet.py).
 
-    python -m dashboards.generate            # write dashboards/grafana/dashboards/swa-runtime.json
-    python -m dashboards.generate --check    # exit 1 if the committed JSON is stale or names an
+    python -m dashboards.generate            # write dashboards/grafana/dashboards/swa-runtime{,-fleet}.json
+    python -m dashboards.generate --check    # exit 1 if a committed JSON is stale or names an
                                              # unknown metric, recording rule or label value
 
 Metric names come from `telemetry.names`, so a rename there shows up as a diff here; `--check` also
@@ -21,14 +22,16 @@ from typing import Any, Iterator
 if __package__ in (None, ""):  # run as a script: make `telemetry` and `dashboards` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dashboards import promql  # noqa: E402
+from dashboards import fleet, promql  # noqa: E402
 from dashboards.dashboard import build  # noqa: E402
 
-OUTPUT = Path(__file__).parent / "grafana" / "dashboards" / "swa-runtime.json"
+BUILDERS = {"swa-runtime": build, "swa-runtime-fleet": fleet.build}
+OUTPUTS = {name: Path(__file__).parent / "grafana" / "dashboards" / f"{name}.json" for name in BUILDERS}
+OUTPUT, FLEET_OUTPUT = OUTPUTS["swa-runtime"], OUTPUTS["swa-runtime-fleet"]
 
 
-def render() -> str:
-    return json.dumps(build(), indent=2) + "\n"
+def render(name: str = "swa-runtime") -> str:
+    return json.dumps(BUILDERS[name](), indent=2) + "\n"
 
 
 def iter_panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -59,8 +62,8 @@ def contract_problems(dashboard: dict[str, Any]) -> list[str]:
     return [f"{where}: {problem}" for where, expr in iter_queries(dashboard) for problem in promql.check_expr(expr, known)]
 
 
-def check(path: Path) -> list[str]:
-    """Problems with the committed dashboard at `path`: staleness and contract violations."""
+def check(path: Path, name: str = "swa-runtime") -> list[str]:
+    """Problems with the committed dashboard `name` at `path`: staleness and contract violations."""
     if not path.exists():
         return [f"{path} does not exist; run python -m dashboards.generate"]
     committed = path.read_text()
@@ -69,7 +72,7 @@ def check(path: Path) -> list[str]:
         problems += contract_problems(json.loads(committed))
     except json.JSONDecodeError as exc:
         problems.append(f"{path} is not valid JSON: {exc}")
-    expected = render()
+    expected = render(name)
     problems += [f"generated dashboard: {p}" for p in contract_problems(json.loads(expected))]
     if committed != expected:
         diff = difflib.unified_diff(
@@ -83,23 +86,30 @@ def check(path: Path) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="verify instead of writing")
-    parser.add_argument("--output", type=Path, default=OUTPUT, help="dashboard JSON path (default: %(default)s)")
+    parser.add_argument("--dashboard", choices=sorted(BUILDERS), default=None,
+                        help="only this dashboard (default: all; with --output: swa-runtime)")
+    parser.add_argument("--output", type=Path, default=None, help="JSON path (default: grafana/dashboards/NAME.json)")
     args = parser.parse_args(argv)
+    if args.output is not None:
+        targets = [(args.dashboard or "swa-runtime", args.output)]
+    else:
+        targets = [(name, OUTPUTS[name]) for name in ([args.dashboard] if args.dashboard else BUILDERS)]
     if args.check:
-        problems = check(args.output)
+        problems = [p for name, path in targets for p in check(path, name)]
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         if not problems:
-            print(f"ok: {args.output} is up to date and names only contract metrics")
+            print(f"ok: {', '.join(str(path) for _, path in targets)} up to date and naming only contract metrics")
         return 1 if problems else 0
-    problems = contract_problems(build())
+    problems = [p for name, _ in targets for p in contract_problems(BUILDERS[name]())]
     if problems:
         for problem in problems:
             print(f"error: {problem}", file=sys.stderr)
         return 1
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render())
-    print(f"wrote {args.output}")
+    for name, path in targets:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render(name))
+        print(f"wrote {path}")
     return 0
 
 

@@ -102,10 +102,11 @@ class Prometheus:
 
 def fetch(
     prom: Prometheus, dashboard: dict[str, Any], *, end: float, range_s: int, rate_interval: str,
-    job: str = ".+", instance: str = ".+",
+    job: str = ".+", instance: str = ".+", router_job: str = ".+",
 ) -> list[PanelData]:
     """Query every target of every non-row panel; errors are recorded per panel, not raised."""
-    variables = {"__rate_interval": rate_interval, "__range": f"{range_s}s", "job": job, "instance": instance}
+    variables = {"__rate_interval": rate_interval, "__range": f"{range_s}s", "job": job, "instance": instance,
+                 "router_job": router_job}
     step = max(1.0, range_s / 120)
     panels = []
     for panel in iter_panels(dashboard):
