@@ -1,5 +1,7 @@
-"""docker-compose.yml, Dockerfile and their mounts. No Docker engine runs here, so the files are parsed
-and cross-checked: every mounted path exists, and the services agree on names, ports and paths."""
+"""docker-compose.yml, the Dockerfiles and their mounts. No Docker engine runs here, so the files are parsed
+and cross-checked: every mounted path exists, and the services agree on names, ports and paths: each replica
+is scraped by its own name (its series keep their own `instance`), the router calls the same names, and
+Prometheus scrapes the router's metrics port."""
 
 from __future__ import annotations
 
@@ -28,8 +30,28 @@ def bind_mounts(service: dict) -> list[tuple[str, str]]:
     return mounts
 
 
+def replicas(compose: dict) -> dict[str, dict]:
+    return {name: svc for name, svc in compose["services"].items() if name.startswith("runtime-")}
+
+
+def scrape_targets(job_name: str) -> list[str]:
+    scrape = yaml.safe_load((REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text())
+    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == job_name)
+    return [t for group in job["static_configs"] for t in group["targets"]]
+
+
+def flag(command: list[str], name: str) -> list[str]:
+    """The values after `name` up to the next option."""
+    i = command.index(name) + 1
+    values = []
+    while i < len(command) and not command[i].startswith("--"):
+        values.append(command[i])
+        i += 1
+    return values
+
+
 def test_services_present(compose):
-    assert {"runtime", "prometheus", "grafana"} <= set(compose["services"])
+    assert {"runtime-1", "runtime-2", "router", "prometheus", "grafana"} <= set(compose["services"])
 
 
 def test_every_bind_mount_exists(compose):
@@ -39,14 +61,36 @@ def test_every_bind_mount_exists(compose):
         assert (REPO / source).exists(), f"compose mounts missing path {source}"
 
 
-def test_runtime_service_serves_on_the_scraped_port(compose):
-    runtime = compose["services"]["runtime"]
-    assert runtime["build"]["context"] == "."
-    assert (REPO / runtime["build"]["dockerfile"]).is_file()
-    assert runtime["command"] == ["serve", "--host", "0.0.0.0", "--port", "30000"]
-    scrape = yaml.safe_load((REPO / "dashboards" / "prometheus" / "prometheus.yml").read_text())
-    job = next(j for j in scrape["scrape_configs"] if j["job_name"] == "swa-runtime")
-    assert job["static_configs"][0]["targets"] == ["runtime:30000"]
+def test_each_replica_is_scraped_and_routed_by_its_own_name(compose):
+    services = replicas(compose)
+    assert len(services) == 2
+    names = []
+    for name, svc in services.items():
+        assert svc["build"]["context"] == "." and (REPO / svc["build"]["dockerfile"]).is_file()
+        assert svc["image"] == "swa-runtime:local"
+        command = svc["command"]
+        assert command[:5] == ["serve", "--host", "0.0.0.0", "--port", "30000"]
+        # the router and Prometheus call it by its hostname, which the Host check must let through, and which
+        # it logs as its instance (a wildcard bind logs the host name)
+        assert svc["hostname"] == name and flag(command, "--allowed-hosts") == [name]
+        names.append(f"{name}:30000")
+        assert [v.split(":")[1] for v in svc["volumes"]] == ["/home/swa/.cache"]
+    assert scrape_targets("swa-runtime") == names  # one target per replica: series never mix two replicas
+    router = compose["services"]["router"]["command"]
+    assert flag(router, "--worker-urls") == [f"http://{n}" for n in names]
+    assert scrape_targets("swa-router") == [f"router:{flag(router, '--prometheus-port')[0]}"]
+    caches = [v.split(":")[0] for svc in services.values() for v in svc["volumes"]]
+    assert len(set(caches)) == len(caches), "replicas assembling the model into one cache volume would race"
+
+
+def test_router_image_pins_the_version_the_tests_run(compose):
+    router = compose["services"]["router"]
+    dockerfile = (REPO / router["build"]["context"] / "Dockerfile").read_text()
+    pinned = re.search(r"sglang-router==([\d.]+)", dockerfile).group(1)
+    pyproject = (REPO / "pyproject.toml").read_text()
+    assert f'"sglang-router=={pinned}"' in pyproject
+    assert router["image"] == f"swa-router:{pinned}"
+    assert 'ENTRYPOINT ["python", "-m", "sglang_router.launch_router"]' in dockerfile
 
 
 def test_prometheus_mounts_config_and_rules_where_the_config_expects_them(compose):
