@@ -301,7 +301,7 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
     from telemetry.collector import make_registry
     from telemetry.logging import configure_logging
 
-    configure_logging(options["log_format"], options["log_level"])
+    configure_logging(options["log_format"], options["log_level"], instance=options["instance"])
     send_lock = threading.Lock()
 
     def send(message: tuple) -> None:

@@ -45,14 +45,16 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.models.tokenizer import load_tokenizer
     from runtime.server.app import create_app
     from runtime.server.connections import uvicorn_config
-    from telemetry.logging import configure_logging
+    from telemetry.logging import configure_logging, instance_of
 
-    configure_logging(args.log_format, args.log_level)
+    instance = instance_of(args.host, args.port)  # every log record names this replica as Prometheus does
+    configure_logging(args.log_format, args.log_level, instance=instance)
     cfg = engine_config(args)
     opts = ServerOptions.from_args(args)
     model_name = resolve_model(cfg.model).name
     engine_loop = EngineProcess(cfg, load_tokenizer(cfg.model), max_queued_requests=opts.max_queued_requests,
-                                log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level)
+                                log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level,
+                                instance=instance)
     engine_loop.start()  # returns once the engine process has built the engine
     app = create_app(engine_loop, model_name=model_name, options=opts)
     config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
