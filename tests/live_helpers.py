@@ -43,9 +43,10 @@ def prom_query(url: str, expr: str) -> list[dict]:
 RULES_DIR = Path(__file__).resolve().parents[1] / "dashboards" / "prometheus" / "rules"
 
 
-def start_prometheus(work: Path, target: str) -> tuple[subprocess.Popen, str]:
-    """A real Prometheus on loopback scraping `target` (host:port) every second as job `swa-runtime`, with
-    our recording and alert rules, its data and log under `work`. Skips the test without the binary."""
+def start_prometheus(work: Path, target: str | None, scrape_configs: str | None = None) -> tuple[subprocess.Popen, str]:
+    """A real Prometheus on loopback scraping `target` (host:port) every second as job `swa-runtime` (or
+    with the given `scrape_configs` YAML list instead), with our recording and alert rules, its data and log
+    under `work`. Skips the test without the binary."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("prometheus not on PATH (Debian package `prometheus`)")
@@ -55,7 +56,7 @@ def start_prometheus(work: Path, target: str) -> tuple[subprocess.Popen, str]:
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: ['{RULES_DIR / 'recording.yml'}', '{RULES_DIR / 'alerts.yml'}']\n"
         "scrape_configs:\n"
-        f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['{target}']}}]\n"
+        + (scrape_configs or f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['{target}']}}]\n")
     )
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",

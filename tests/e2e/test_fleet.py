@@ -1,0 +1,240 @@
+"""`swa-runtime fleet` end to end on loopback: two tiny replicas behind the real SGLang router, a real
+Prometheus scraping both replicas and the router (the fleet's file_sd targets) with our rules.
+
+In order, on one fleet: 40 concurrent requests through the router are spread over both replicas (each
+replica's own /metrics says it served some) and equal a single replica's outputs; every query of the fleet
+dashboard returns data, per instance where it breaks down by instance; a fault injected into replica 2 only
+fires the alert for replica 2 alone; a client leaving the router aborts the request on its replica; killing
+replica 1 mid-run loses no request that had not started on it, the survivor finishes everything, and the
+fleet brings replica 1 back; SIGTERM stops everything in order. Bounded in time throughout."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from dashboards.generate import FLEET_OUTPUT
+from runtime.diagnose.from_log import diagnose_logs
+from dashboards.snapshot import Prometheus, fetch
+from live_helpers import free_port, prom_query, start_prometheus, stop, wait_for
+
+pytestmark = [pytest.mark.promtool, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+FAULTS = ("skip-forward-invalidation", "skip-alloc-invalidation")  # as the live-stack test: events on decode
+PROMPTS = [f"request {i}: " + "the quick brown fox jumps over the lazy dog "[i % 7:] * (1 + i % 3) for i in range(40)]
+NEW_TOKENS = 8
+BUG_ALERTS = ("SWARuntimeStaleLoc", "SWARuntimeMissingInvalidation", "SWARuntimeLocKeyCollision")
+
+
+def post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.load(r)
+    except urllib.error.HTTPError as exc:
+        return exc.code, {"error": exc.read().decode(errors="replace")}
+    except OSError as exc:
+        return 0, {"error": repr(exc)}
+
+
+def generate(base: str, prompt: str) -> tuple[int, dict]:
+    return post(f"{base}/generate", {"text": prompt, "sampling_params": {"max_new_tokens": NEW_TOKENS,
+                                                                        "ignore_eos": True}})
+
+
+def samples(url: str) -> dict[tuple[str, tuple], float]:
+    """A replica's /metrics as {(sample name, sorted labels): value}."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def requests_by_status(url: str, status: str) -> float:
+    return samples(url)[("swa_runtime_requests_total", (("status", status),))]
+
+
+def workers(router: str) -> dict[str, bool]:
+    with urllib.request.urlopen(f"{router}/workers", timeout=5) as r:
+        return {w["url"]: w["is_healthy"] for w in json.load(r)["workers"]}
+
+
+def serve_pid(port: int) -> int:
+    """The pid of the `serve` process listening on `port` (the fleet's child)."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"serve" in argv and b"--port" in argv and argv[argv.index(b"--port") + 1] == str(port).encode():
+                return int(entry)
+    raise AssertionError(f"no serve process on port {port}")
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    work = tmp_path_factory.mktemp("fleet")
+    port, targets = free_port(), work / "targets.json"
+    cmd = [sys.executable, "-m", "runtime", "fleet", "--replicas", "2", "--model", "tiny", "--port", str(port),
+           "--max-total-tokens", "2048", "--health-check-interval", "1", "--shutdown-timeout", "10",
+           "--log-dir", str(work / "logs"), "--prometheus-targets", str(targets), "--log-level", "INFO", "--log-format", "json",
+           "--replica-args", "2:" + " ".join(f"--inject {f}" for f in FAULTS)]
+    out = (work / "fleet.out").open("w")
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    router = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: targets.exists(), 60, "the fleet's targets file")
+        groups = {g["labels"]["job"]: g["targets"] for g in json.loads(targets.read_text())}
+        replicas = [f"http://{t}" for t in groups["swa-runtime"]]
+        scrape = f"  - job_name: fleet\n    file_sd_configs: [{{files: ['{targets}'], refresh_interval: 1s}}]\n"
+        prom, prom_url = start_prometheus(work / "prometheus", None, scrape_configs=scrape)
+    except BaseException:
+        stop(proc)
+        raise
+    try:
+        wait_for(lambda: proc.poll() is None and "behind the router" in (work / "fleet.out").read_text(), 300,
+                 "the fleet to serve")
+        wait_for(lambda: len(prom_query(prom_url, "up == 1")) == 3, 60, "Prometheus scraping 2 replicas + router")
+        yield {"proc": proc, "router": router, "replicas": replicas, "prom": prom_url, "work": work,
+               "instances": [r.removeprefix("http://") for r in replicas], "reference": {}}
+    finally:
+        stop(proc, timeout=60)
+        stop(prom)
+
+
+def test_prometheus_sees_each_replica_and_the_router_under_its_job(fleet):
+    up = {(r["metric"]["job"], r["metric"]["instance"]) for r in prom_query(fleet["prom"], "up == 1")}
+    assert {i for job, i in up if job == "swa-runtime"} == set(fleet["instances"])
+    assert len([i for job, i in up if job == "swa-router"]) == 1
+
+
+def test_requests_spread_over_both_replicas_and_equal_a_single_replicas(fleet):
+    with ThreadPoolExecutor(40) as pool:
+        routed = list(pool.map(lambda p: generate(fleet["router"], p), PROMPTS))
+    assert [status for status, _ in routed] == [200] * 40, [b for s, b in routed if s != 200][:3]
+    served = [requests_by_status(url, "finished") for url in fleet["replicas"]]
+    assert sum(served) == 40 and min(served) > 0, served  # each replica served some
+    single = fleet["replicas"][0]  # the replica without the injected fault, asked directly
+    with ThreadPoolExecutor(8) as pool:
+        direct = list(pool.map(lambda p: generate(single, p), PROMPTS))
+    assert all(status == 200 for status, _ in direct)
+    fleet["reference"].update({p: body["output_ids"] for p, (_, body) in zip(PROMPTS, direct)})
+    assert [body["output_ids"] for _, body in routed] == [fleet["reference"][p] for p in PROMPTS]
+    assert all(len(body["output_ids"]) == NEW_TOKENS for _, body in routed)
+
+
+def test_fleet_dashboard_queries_return_data_per_instance(fleet):
+    time.sleep(3)  # a few more scrapes after the traffic
+    board = json.loads(FLEET_OUTPUT.read_text())
+    panels = {p.title: p for p in fetch(Prometheus(fleet["prom"]), board, end=time.time(), range_s=90,
+                                        rate_interval="10s", job="swa-runtime", router_job="swa-router")}
+    assert len(panels) >= 18
+    assert {t: (p.errors, p.empty_targets) for t, p in panels.items() if p.errors or p.empty_targets} == {}
+    per_instance = [t for t in panels if t.endswith("by instance")]
+    assert len(per_instance) >= 6
+    for title in per_instance + ["Replicas"]:
+        assert {s.labels.get("instance") for s in panels[title].series} >= set(fleet["instances"]), title
+    healthy = panels["Replicas healthy in the router"].series
+    assert sorted(s.labels["worker"] for s in healthy) == sorted(fleet["replicas"])
+    assert all(s.values[-1] == 1 for s in healthy)
+
+
+def test_fault_on_one_replica_fires_the_alert_for_that_instance_alone(fleet):
+    faulty, clean = fleet["instances"][1], fleet["instances"][0]
+    firing = 'ALERTS{alertname="SWARuntimeMissingInvalidation", alertstate="firing"}'
+    wait_for(lambda: prom_query(fleet["prom"], firing), 30, "the alert to fire")
+    assert {r["metric"]["instance"] for r in prom_query(fleet["prom"], firing)} == {faulty}
+    names = "|".join(BUG_ALERTS)
+    assert prom_query(fleet["prom"], f'ALERTS{{alertname=~"{names}", instance="{clean}"}}') == []
+    with urllib.request.urlopen(f"{fleet['prom']}/api/v1/alerts", timeout=5) as r:
+        alerts = [a for a in json.load(r)["data"]["alerts"] if a["labels"]["alertname"] in BUG_ALERTS]
+    assert alerts and all(faulty in a["annotations"]["summary"] and clean not in a["annotations"]["summary"]
+                          for a in alerts)
+    # the logs say the same: every replica's records name it, and diagnose attributes the events to it alone
+    logs = [str(fleet["work"] / "logs" / f"replica-{i}.log") for i in (1, 2)]
+    rows = diagnose_logs(logs).as_dict()["rows"]
+    assert rows and {r["instance"] for r in rows} == {faulty}
+    assert {r["classification"] for r in rows} <= {"cross_forward", "stale_loc", "benign_fresh_tensor"}
+
+
+def test_a_client_leaving_the_router_aborts_its_request_on_the_replica(fleet):
+    before = sum(requests_by_status(url, "aborted") for url in fleet["replicas"])
+    body = {"text": "a long answer nobody waits for", "stream": True,
+            "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    req = urllib.request.Request(f"{fleet['router']}/generate", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        assert r.readline().startswith(b"data: ")  # it runs on some replica; now leave
+    wait_for(lambda: sum(requests_by_status(url, "aborted") for url in fleet["replicas"]) == before + 1, 30,
+             "the replica to abort the request")
+    for url in fleet["replicas"]:
+        wait_for(lambda: samples(url)[("swa_runtime_num_running_reqs", ())] == 0, 30, "no request left running")
+        assert samples(url)[("swa_runtime_num_queue_reqs", ())] == 0
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
+    victim, survivor = fleet["replicas"]
+    finished_before = requests_by_status(survivor, "finished")
+    results: dict[int, tuple[float, float, int, dict]] = {}  # index -> (sent, answered, status, body)
+    killed_at: list[float] = []
+
+    def send(i: int) -> None:
+        sent = time.monotonic()
+        status, body = generate(fleet["router"], PROMPTS[i])
+        results[i] = (sent, time.monotonic(), status, body)
+
+    def kill_when_running() -> None:
+        wait_for(lambda: len(results) >= 5, 120, "the first answers")
+        os.kill(serve_pid(int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
+        killed_at.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_when_running)
+    killer.start()
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(send, range(40)))
+    killer.join(60)
+    (kill,) = killed_at
+    in_flight = [i for i, (sent, answered, _, _) in results.items() if sent < kill < answered]
+    failed = [i for i, (_, _, status, _) in results.items() if status != 200]
+    assert set(failed) <= set(in_flight), "only requests running when the replica died may fail"
+    after = [i for i, (sent, _, _, _) in results.items() if sent > kill]
+    assert after and all(results[i][2] == 200 for i in after)
+    for i, (_, _, status, body) in results.items():
+        if status == 200:
+            assert body["output_ids"] == fleet["reference"][PROMPTS[i]], i
+    # the survivor took over (the victim, restarted within seconds, may get some of the last ones too) and
+    # holds nothing once done
+    assert requests_by_status(survivor, "finished") > finished_before
+    print(f"kill mid-run: {len(in_flight)} in flight at the kill, {len(failed)} failed, {len(after)} sent after it")
+    wait_for(lambda: samples(survivor)[("swa_runtime_num_running_reqs", ())] == 0, 30, "the survivor to idle")
+    # the fleet restarts the victim on the same port and the router routes to it again
+    wait_for(lambda: workers(fleet["router"]) == {victim: True, survivor: True}, 180, "the victim to serve again")
+    status, body = generate(victim, PROMPTS[0])
+    assert status == 200 and body["output_ids"] == fleet["reference"][PROMPTS[0]]
+    events = [json.loads(line) for line in (fleet["work"] / "fleet.out").read_text().splitlines()
+              if line.startswith("{")]
+    assert [(e["replica"], e["exit_status"]) for e in events if e["event"] == "fleet_replica_exited"] == [(1, -9)]
+    assert [e["replica"] for e in events if e["event"] == "fleet_replica_restarting"] == [1]
+
+
+def test_sigterm_stops_the_replicas_then_the_router(fleet):
+    proc = fleet["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    for url in [*fleet["replicas"], fleet["router"]]:
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{url}/health", timeout=2)
