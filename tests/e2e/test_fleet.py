@@ -238,3 +238,23 @@ def test_sigterm_stops_the_replicas_then_the_router(fleet):
     for url in [*fleet["replicas"], fleet["router"]]:
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{url}/health", timeout=2)
+
+
+def test_replica_args_name_one_replica_or_all():
+    from runtime.fleet import parse_replica_args
+
+    assert parse_replica_args(["2:--inject a --inject b", "*:--max-queued-requests 8"], 2) == {
+        1: ("--max-queued-requests", "8"), 2: ("--inject", "a", "--inject", "b", "--max-queued-requests", "8")}
+    with pytest.raises(ValueError, match="I:OPTIONS"):
+        parse_replica_args(["--inject a"], 2)
+
+
+def test_a_replica_that_never_comes_up_stops_the_fleet(tmp_path):
+    """A configuration error (here a model that does not exist) is not restarted forever: the fleet stops the
+    router and exits with status 1."""
+    cmd = [sys.executable, "-m", "runtime", "fleet", "--replicas", "1", "--model", str(tmp_path / "missing.gguf"),
+           "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "fleet_replica_failed_to_start" in result.stderr
+    assert "missing.gguf" in (tmp_path / "logs" / "replica-1.log").read_text()
