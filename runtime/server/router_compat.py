@@ -1,7 +1,7 @@
 """What the SGLang router (`sglang-router`, pinned in pyproject.toml) expects of a worker, served beside our API.
 
-Learnt from the router's documentation and from its behaviour in front of this server (docs/fleet.md has the
-whole list); what each piece here answers:
+Learnt from the router's documentation and from its behaviour in front of this server (the README's Fleet
+section sums it up for users); what each piece here answers:
 
 - Registration: the router reads `GET /server_info` then `/model_info` (falling back to `/get_server_info`
   and `/get_model_info`). The model id it routes by is `served_model_name`. We give no `model_path` or
