@@ -47,7 +47,7 @@ from runtime.server.options import ServerOptions
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
 from runtime.server.stops import TextDeltas, text_pieces
-from telemetry.collector import make_registry
+from telemetry.collector import process_registry
 
 # No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
 # pieces are 31: runs of newlines, spaces or tabs; the byte tokenizer's is 1), so a text longer than this
@@ -58,13 +58,12 @@ RETRY_AFTER_S = "1"
 
 
 def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None) -> FastAPI:
-    """The app serving `engine_loop.engine` as `model_name`. Its lifespan starts the engine thread (unless
-    already started) and drains it on shutdown."""
+    """The app serving the engine behind `engine_loop` (a thread beside the event loop, or its own process)
+    as `model_name`. Its lifespan starts the engine (unless already started) and drains it on shutdown."""
     opts = options if options is not None else ServerOptions()
-    engine = engine_loop.engine
-    tokenizer = engine.tokenizer
-    context_length = engine.context_length
-    registry = make_registry(engine.stats, process_collectors=True)
+    tokenizer = engine_loop.tokenizer
+    context_length = engine_loop.context_length
+    front_end = process_registry()  # this process's CPU, memory, GC; the engine's counters come from the loop
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -242,14 +241,15 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        body = await engine_loop.exposition() + generate_latest(front_end)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if engine_loop.accepting:
-            sched = engine.scheduler
-            return JSONResponse({"status": "ok", "running": sched.num_running(), "waiting": sched.num_waiting()})
-        why = "the server is shutting down" if engine_loop.alive else "the engine thread is not running"
+            running, waiting = engine_loop.queue_sizes()
+            return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
+        why = "the server is shutting down" if engine_loop.alive else engine_loop.DOWN_MESSAGE
         return error(503, why, "service_unavailable")
 
     return app
