@@ -136,7 +136,7 @@ class ChatCompletionRequest(StrictBody):
     def _greedy_seed(cls, seed: int | None, info) -> int | None:
         if seed is not None and info.data.get("temperature", 1.0) != 0:
             raise ValueError("per-request seeds are not supported (one random generator serves every request); "
-                             "with temperature 0 the output is deterministic, seed or not")
+                             "greedy decoding (temperature 0) needs none")
         return seed
 
     def max_new_tokens(self) -> int | None:
