@@ -16,6 +16,10 @@ Shutdown (SIGTERM or SIGINT to the fleet): SIGTERM to every replica, each draini
 requests, running ones finish for `--shutdown-timeout` seconds, the rest are aborted), then SIGTERM to the
 router once they have exited. Children run in their own sessions, so a Ctrl-C reaches the fleet only and the
 order holds; on Linux they also get SIGTERM if the fleet itself dies.
+
+Cores: replicas on one machine share its cores, and a CPU engine's torch threads that wait for busy cores
+stall everyone (measured: 13x slower on a loaded 2-core machine). So unless OMP_NUM_THREADS is set, each
+replica gets OMP_NUM_THREADS = cores // replicas (at least 1).
 """
 
 from __future__ import annotations
@@ -99,15 +103,15 @@ def _die_with_parent() -> None:
 class Child:
     """One supervised process: started in its own session, output to a log file or the fleet's stderr."""
 
-    def __init__(self, name: str, argv: list[str], log_path: Path | None):
-        self.name, self.argv, self.log_path = name, argv, log_path
+    def __init__(self, name: str, argv: list[str], log_path: Path | None, env: dict[str, str] | None = None):
+        self.name, self.argv, self.log_path, self.env = name, argv, log_path, env
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
         out = self.log_path.open("ab") if self.log_path is not None else None
         try:
             self.proc = subprocess.Popen(self.argv, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=self.env,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         finally:
             if out is not None:
@@ -198,11 +202,13 @@ class Fleet:
         self.router = Child("router", self._router_argv(metrics_port), self._log("router"))
         self.client = RouterClient(self.router_url)
         self.replicas = []
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.replicas)))
         for i in range(1, opts.replicas + 1):
             port = free_port()
             argv = [sys.executable, "-m", "runtime", "serve", "--host", "127.0.0.1", "--port", str(port),
                     "--shutdown-timeout", str(opts.shutdown_timeout_s), *opts.replica_argv, *opts.extra_argv.get(i, ())]
-            self.replicas.append(Replica(i, port, Child(f"replica-{i}", argv, self._log(f"replica-{i}"))))
+            self.replicas.append(Replica(i, port, Child(f"replica-{i}", argv, self._log(f"replica-{i}"), env)))
 
     def _log(self, name: str) -> Path | None:
         return None if self.opts.log_dir is None else self.opts.log_dir / f"{name}.log"
@@ -334,7 +340,9 @@ class Fleet:
 def add_fleet_args(p) -> None:
     """Options of `swa-runtime fleet` besides the engine options (which every replica gets)."""
     g = p.add_argument_group("fleet")
-    g.add_argument("--replicas", type=int, default=2, help="`serve` replicas on free loopback ports (default 2)")
+    g.add_argument("--replicas", type=int, default=2,
+                   help="`serve` replicas on free loopback ports (default 2), each with OMP_NUM_THREADS = cores / "
+                        "replicas unless it is set")
     g.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
     g.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     g.add_argument("--router-metrics-port", type=int, default=None, metavar="PORT",
