@@ -116,6 +116,12 @@ class RequestStream:
         if not self.finished:
             self._engine_loop.abort(self.rid)
 
+    def finish(self, reason: str = "stop") -> None:
+        """End the request now as finished (e.g. the front end saw a stop string): counted `finished`,
+        its slots freed, its KV kept for the prefix cache like any finished request's."""
+        if not self.finished:
+            self._engine_loop.finish(self.rid, reason)
+
     async def __aenter__(self) -> "RequestStream":
         return self
 
@@ -283,6 +289,13 @@ class EngineLoop:
         except EngineUnavailable:
             pass  # the thread has ended, and it aborted everything on its way out
 
+    def finish(self, rid: str, reason: str = "stop") -> None:
+        """End a request as finished with `reason` before its token budget (see `RequestStream.finish`)."""
+        try:
+            self._post(("finish", rid, reason))
+        except EngineUnavailable:
+            pass
+
     def call(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
         """Run `fn` on the engine thread between steps (e.g. `scheduler.assert_idle_clean`)."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
@@ -331,6 +344,8 @@ class EngineLoop:
                     self._pending_adds -= 1
             elif kind == "abort":
                 self._abort(item[1])
+            elif kind == "finish":
+                self._abort(item[1], status="finished", reason=item[2])
             else:
                 _, fn, fut = item
                 try:
@@ -353,9 +368,9 @@ class EngineLoop:
             self._log.info("request_admitted", rid=req.rid, prompt_ids=req.prompt_ids, params=vars(req.params))
         admitted.set_result(None)
 
-    def _abort(self, rid: str) -> None:
+    def _abort(self, rid: str, status: str = "aborted", reason: str = "abort") -> None:
         try:
-            self.scheduler.abort(rid)
+            self.scheduler.abort(rid, status=status, reason=reason)
         except Exception as exc:  # noqa: BLE001
             self._log.error("engine_abort_failed", rid=rid, error=_describe(exc), where=_where(exc))
 

@@ -5,7 +5,7 @@ admission checks, shutdown, queue sizes, the metrics exposition). It spawns a ch
 its main thread and runs the `EngineLoop` there, so every torch operation runs on the one thread that built
 the engine (one OpenMP team). The two talk over a pipe:
 
-    front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("count", status)
+    front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("finish", rid, reason) | ("count", status)
                          | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
                          | ("token", rid, id) | ("final", rid, reason, message) | ("queue", running, waiting)
@@ -171,6 +171,9 @@ class EngineProcess:
 
     def abort(self, rid: str) -> None:
         self._send(("abort", rid))
+
+    def finish(self, rid: str, reason: str = "stop") -> None:
+        self._send(("finish", rid, reason))
 
     def call(self, what: str) -> concurrent.futures.Future:
         """Ask the engine thread `what` (one of CALLS) between steps; the future holds its answer."""
@@ -372,6 +375,8 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
                     add(*message[1:])
                 elif kind == "abort":
                     loop.abort(message[1])
+                elif kind == "finish":
+                    loop.finish(message[1], message[2])
                 elif kind == "count":
                     loop.count(message[1])
                 elif kind == "metrics":

@@ -98,13 +98,13 @@ class TextPiece:
 
 async def text_pieces(stream: RequestStream, tokenizer, stops: Iterable[str] = ()) -> AsyncIterator[TextPiece]:
     """The text of `stream` as it arrives (one piece per stream event), cut before the first stop string;
-    on a stop string the request is aborted at once and the last piece says `stop`."""
+    on a stop string the request is finished at once (counted `finished`) and the last piece says `stop`."""
     deltas, matcher = TextDeltas(tokenizer), StopMatcher(stops)
     async for ev in stream:
         final = ev.finish_reason is not None
         text = matcher.push(deltas.push(ev.token_ids, final=final))
         if matcher.stopped:
-            stream.abort()
+            stream.finish("stop")
             yield TextPiece(text, "stop")
             return
         if final:

@@ -162,14 +162,17 @@ class FakeStream:
     """The part of RequestStream that `text_pieces` uses."""
 
     def __init__(self, events):
-        self.events, self.aborted, self.rid = events, 0, "req-x"
+        self.events, self.finished_as, self.rid = events, [], "req-x"
 
     async def __aiter__(self):
         for ev in self.events:
             yield ev
 
     def abort(self):
-        self.aborted += 1
+        raise AssertionError("a stop string finishes the request; it does not abort it")
+
+    def finish(self, reason):
+        self.finished_as.append(reason)
 
 
 def run_pieces(text: str, stops) -> tuple[list, FakeStream]:
@@ -193,7 +196,7 @@ def test_the_byte_tokenizer_ends_a_turn_at_the_end_of_turn_text(ignore_eos):
     pieces, stream = run_pieces(text, body.stop_strings())
     assert "".join(p.text for p in pieces) == (text if ignore_eos else "Four.")
     assert pieces[-1].finish_reason == ("length" if ignore_eos else "stop")
-    assert stream.aborted == (0 if ignore_eos else 1)  # the request is ended (slots freed) at the stop
+    assert stream.finished_as == ([] if ignore_eos else ["stop"])  # ended (slots freed, counted finished) at the stop
     assert all(p.finish_reason is None for p in pieces[:-1])
 
 
@@ -298,11 +301,19 @@ def pick_stop(text: str, length: int, after: int = 3) -> tuple[int, str]:
     pytest.fail(f"no usable stop string in {text!r}")
 
 
-def generated_tokens(client) -> float:
+def sample_value(client, name: str) -> float:
     for line in client.get("/metrics").text.splitlines():
-        if line.startswith("swa_runtime_generation_tokens_total "):
-            return float(line.split()[1])
-    pytest.fail("swa_runtime_generation_tokens_total missing")
+        if line.startswith(name + " "):
+            return float(line.rsplit(" ", 1)[1])
+    pytest.fail(f"{name} missing")
+
+
+def generated_tokens(client) -> float:
+    return sample_value(client, "swa_runtime_generation_tokens_total")
+
+
+def requests_by_status(client) -> dict[str, float]:
+    return {s: sample_value(client, f'swa_runtime_requests_total{{status="{s}"}}') for s in ("finished", "aborted")}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
@@ -311,7 +322,7 @@ def test_completion_stops_before_its_stop_string(client, live, stream, length):
     body = {"prompt": STOP_PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True}
     full = post(client, C, body)["choices"][0]["text"]
     i, stop = pick_stop(full, length)
-    before = generated_tokens(client)
+    before, counted = generated_tokens(client), requests_by_status(client)
     asked = {**body, "stop": ["never seen", stop]}
     if stream:
         chunks = stream_events(client, C, {**asked, "stream": True})
@@ -326,6 +337,8 @@ def test_completion_stops_before_its_stop_string(client, live, stream, length):
     assert usage["completion_tokens"] < 64
     live.wait_idle_clean()  # the request ended at its stop string: nothing runs, every slot is free
     assert generated_tokens(client) - before < 64
+    after = requests_by_status(client)  # a stop string finishes the request, it does not abort it
+    assert (after["finished"] - counted["finished"], after["aborted"] - counted["aborted"]) == (1, 0)
 
 
 def test_the_earliest_stop_string_wins_in_chat(client, live):

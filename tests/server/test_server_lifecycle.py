@@ -55,7 +55,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving():
     engine.step = flaky_step
     counts = engine.stats.request_counts
     before = dict(counts)
-    suppressed = engine.stats.suppressed_counts["other"]
+    suppressed = engine.stats.suppressed_counts["engine_step_failed"]
     prompt = [2, 40, 41, 97, 98, 99]
     body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 20, "ignore_eos": True}}
     message = "internal error in the engine step: RuntimeError: boom"
@@ -84,7 +84,7 @@ def test_a_failing_step_fails_its_requests_and_the_server_keeps_serving():
     (record,) = logger.events("engine_step_failed")  # the second failure fell in the same minute
     assert record["error"] == "RuntimeError: boom" and record["running"] == 1
     assert "test_server_lifecycle.py" in record["where"] and "flaky_step" in record["where"]
-    assert engine.stats.suppressed_counts["other"] - suppressed == 1
+    assert engine.stats.suppressed_counts["engine_step_failed"] - suppressed == 1
     logged = repr(logger.records)
     assert "exc_info" not in logged and str(prompt)[1:-1] not in logged, "request contents reached the logs"
 
