@@ -22,8 +22,8 @@ from pydantic import AfterValidator, BeforeValidator, Field, field_validator
 
 from runtime.core import SamplingParams
 from runtime.models.tokenizer import END_OF_TURN
-from runtime.server.protocol import (MAX_NEW_TOKENS_CAP, SSE_DONE, Stop, StrictBody, error_body, sse, stop_strings,
-                                     usage_body)
+from runtime.server.protocol import (MAX_NEW_TOKENS_CAP, SSE_DONE, OnlyFalse, OnlyTrue, Stop, StrictBody, error_body,
+                                     sse, stop_strings, usage_body)
 from runtime.server.stops import text_pieces
 
 START_OF_TURN = "<start_of_turn>"
@@ -117,6 +117,13 @@ class ChatCompletionRequest(StrictBody):
     tool_choice: Annotated[Any, _unsupported(_NO_TOOLS, "none")] = None
     functions: Annotated[Any, _unsupported(_NO_TOOLS, [])] = None
     function_call: Annotated[Any, _unsupported(_NO_TOOLS, "none")] = None
+    # The SGLang router adds these to every chat body it forwards, at these defaults.
+    continue_final_message: OnlyFalse = False
+    separate_reasoning: bool = True  # no reasoning is produced to separate: inert
+    stream_reasoning: bool = True  # likewise
+    skip_special_tokens: OnlyTrue = True
+    no_stop_trim: OnlyFalse = False
+    return_hidden_states: OnlyFalse = False
 
     @field_validator("messages")
     @classmethod

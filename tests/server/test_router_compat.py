@@ -47,6 +47,21 @@ def test_unknown_fields_and_other_models_are_still_refused(client):
     assert generate(client, model="tiny").status_code == 200
 
 
+ROUTER_CHAT_FIELDS = {"continue_final_message": False, "separate_reasoning": True, "stream_reasoning": True,
+                      "skip_special_tokens": True, "no_stop_trim": False, "return_hidden_states": False}
+
+
+def test_router_chat_fields_at_their_defaults_are_served_and_others_refused(client):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0.0}
+    ours = client.post("/v1/chat/completions", json=body).json()
+    routed = client.post("/v1/chat/completions", json={**body, **ROUTER_CHAT_FIELDS})
+    assert routed.status_code == 200, routed.text
+    assert routed.json()["choices"][0]["message"] == ours["choices"][0]["message"]
+    r = client.post("/v1/chat/completions", json={**body, **ROUTER_CHAT_FIELDS, "continue_final_message": True})
+    assert r.status_code == 422
+    assert r.json()["error"]["message"] == "continue_final_message: only false is supported by this server"
+
+
 def test_router_completion_fields_and_request_id_header(client):
     body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "temperature": 0.0, **ROUTER_COMPLETION_FIELDS}
     r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-42"})
