@@ -125,7 +125,8 @@ class TelemetryCollector:
     def _prefix_cache(self) -> Iterator[Metric]:
         p = self._stats.prefix_cache
         yield _counter(names.PREFIX_CACHE_QUERIES, "Prompt tokens looked up in the prefix cache.", p.queried_tokens)
-        yield _counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache (not prefilled).", p.hit_tokens)
+        yield _counter(names.PREFIX_CACHE_HITS, "Prompt tokens found in the prefix cache (not prefilled).",
+                       p.hit_tokens)
         cached = GaugeMetricFamily(
             names.PREFIX_CACHE_TOKENS, "Device slots the prefix cache holds, by pool.", labels=["pool"]
         )
@@ -140,7 +141,7 @@ class TelemetryCollector:
             evicted.add_metric([pool], p.evicted_tokens[pool])
         nodes = GaugeMetricFamily(
             names.PREFIX_CACHE_NODES,
-            "Prefix-cache nodes by state: device (full and SWA KV), tombstoned (full KV only), host (on the host tier).",
+            "Prefix-cache nodes by state: device (full and SWA KV), tombstoned (full KV only), host (host tier).",
             labels=["state"],
         )
         for state in names.PREFIX_NODE_STATES:

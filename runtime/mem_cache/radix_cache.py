@@ -115,7 +115,7 @@ class RadixCache:
     def match(self, ids: list[int], limit: int) -> PrefixMatch:
         """The longest usable cached prefix of `ids`, at most `limit` tokens, locked for the caller.
 
-        Usable: every node on it in (or brought back to) the device, and the SWA side of its last W-1 tokens
+        Usable: every node on it on (or brought back to) the device, and the SWA side of its last W-1 tokens
         alive. Host nodes on the way are loaded back if the pools can make room; otherwise the prefix stops
         before them."""
         limit = min(limit, len(ids)) // self.page_size * self.page_size
@@ -218,29 +218,48 @@ class RadixCache:
     def insert(self, ids: list[int], locs: list[int], held: PrefixMatch, swa_from: int) -> None:
         """Take ownership of a finished request's KV and release its hold. `locs` are the full slots of
         positions 0..len-1 of `ids` (KV written for all); the first `held.length` are the tree's own. Of the
-        request's slots, those at positions >= `swa_from` have their SWA side mapped. The tree keeps what a
-        later match can use and frees the rest: slots of tokens it already holds, a trailing partial page,
-        SWA before the last window."""
+        request's slots, those at positions >= `swa_from` have their SWA side mapped.
+
+        The tree keeps SWA only for the last window of the inserted key (from `keep_from(end)`: the key less its
+        last page, what a request resending the same prompt reuses, is usable too) and frees the rest: slots of
+        tokens it already holds (unless its own copy lost its SWA side inside that window and no request holds
+        it: then the request's copy replaces it), a trailing partial page, SWA before the last window."""
         ps = self.page_size
         end = len(locs) // ps * ps
-        free = list(locs[end:])
+        alive = max(swa_from, self.keep_from(end))  # the request's SWA is kept from here on
+        free, tombstone = list(locs[end:]), []
         node, i = held.node, held.length
         while i < end:
             child = node.children.get(tuple(ids[i:i + ps]))
             if child is None:
                 break
             n = _common(child.key, ids, i, end) // ps * ps
-            if not child.on_device and i < swa_from < i + n:
-                n = swa_from - i  # adopt the part without SWA and the part with it separately
+            replaceable = not child.on_device or (not child.swa and not child.lock)
+            if replaceable and i < alive < i + n:
+                n = alive - i  # the parts before and after `alive` are taken differently
             if n < len(child.key):
                 child = self._split(child, n)
-            if child.on_device:
-                free += locs[i:i + n]  # the tree holds these tokens already
+            part = locs[i:i + n]
+            if not child.on_device:  # the tree's copy is on the host: take the device one
+                tombstone += part[max(swa_from - i, 0):] if i < alive else []
+                self._take(child, part, swa=i >= alive)
+            elif replaceable and i >= alive:  # the tree's copy lost its SWA side where the window needs it
+                free += child.locs
+                self._take(child, part, swa=True)
             else:
-                self._adopt(child, locs[i:i + n], i >= swa_from)
+                free += part  # the tree holds these tokens already
             node, i = child, i + n
         if i < end:
-            self._add_leaves(node, ids[i:end], locs[i:end], i, swa_from, free)
+            if self._covers(self._alive_run(node, i, alive), end):
+                tombstone += locs[max(i, swa_from):max(i, alive)]
+                if alive > i:
+                    node = self._new_child(node, ids[i:alive], locs[i:alive], swa=False)
+                node = self._new_child(node, ids[max(i, alive):end], locs[max(i, alive):end], swa=True)
+            else:
+                free += locs[i:end]  # no usable prefix would end in it: not worth holding
+        if tombstone:
+            self.stats.evicted_tokens["swa"] += self.store.free_swa(tombstone, "prefix_tombstone")
+            self.tombstones += 1
         if free:
             self.store.free(free)
         tick = next(self._clock)
@@ -250,37 +269,31 @@ class RadixCache:
             n = n.parent
         self.release(held)
 
-    def _adopt(self, node: Node, locs: list[int], swa: bool) -> None:
-        """A host node whose tokens the request also holds on the device: take the device copy instead."""
-        self._account(node, -1)
-        self.store.drop(node.host)
-        node.locs, node.host, node.swa = list(locs), None, swa
-        self._account(node, +1)
+    def keep_from(self, end: int) -> int:
+        """First position whose SWA the tree keeps for a key of `end` tokens: what a query at `end` or at
+        `end` less one page reads (a prompt must leave at least one token to compute). Page-aligned."""
+        if self.window is None:
+            return 0
+        return max(0, end - self.page_size - self.window + 1) // self.page_size * self.page_size
 
-    def _add_leaves(self, parent: Node, key: list[int], locs: list[int], start: int, swa_from: int, free: list) -> None:
-        """New nodes below `parent` for positions start..start+len-1: SWA kept for the last window only. If
-        the end of the new part would not be a usable prefix (its window not alive), nothing is added."""
-        end = start + len(key)
-        ps = self.page_size
-        keep = start if self.window is None else max(start, (end - self.window + 1) // ps * ps)
-        alive = max(keep, swa_from)
-        run = alive
-        if alive == start:  # the alive run may continue into the path above
-            run, n = start, parent
-            while n is not self.root and n.swa:
-                run -= len(n.key)
-                n = n.parent
-        if alive >= end or not self._covers(run, end):
-            free += locs  # no usable prefix ends in it: not worth holding
-            return
-        dead = alive - start
-        tombstone = locs[max(0, swa_from - start):dead]
-        if tombstone:
-            self.stats.evicted_tokens["swa"] += self.store.free_swa(tombstone, "prefix_tombstone")
-            self.tombstones += 1
-        if dead:
-            parent = self._new_child(parent, key[:dead], locs[:dead], swa=False)
-        self._new_child(parent, key[dead:], locs[dead:], swa=True)
+    def _alive_run(self, parent: Node, start: int, alive: int) -> int:
+        """Where the alive SWA run ending in new tokens start.. (alive from `alive`) begins."""
+        if alive > start:
+            return alive
+        run, n = start, parent
+        while n is not self.root and n.swa:
+            run -= len(n.key)
+            n = n.parent
+        return run
+
+    def _take(self, node: Node, locs: list[int], swa: bool) -> None:
+        """The node's tokens are now the request's slots `locs` (its old copy was freed or is dropped here)."""
+        self._account(node, -1)
+        if not node.on_device:
+            self.store.drop(node.host)
+            node.host = None
+        node.locs, node.swa = list(locs), swa
+        self._account(node, +1)
 
     def _new_child(self, parent: Node, key: list[int], locs: list[int], swa: bool) -> Node:
         node = Node(list(key), list(locs), swa, parent)

@@ -71,9 +71,9 @@ class KVSlots:
     def usage(self) -> dict[tuple[str, str], int]:
         """{(pool, state): tokens} for pool in full/swa and state in total/available/used. The prefix cache's
         unlocked nodes count as available (eviction frees them on demand), not as used."""
-        evictable = self.tree.evictable() if self.tree is not None else (0, 0)
+        spare_full, spare_swa = self.tree.evictable() if self.tree is not None else (0, 0)
         out = {}
-        for name, alloc, spare in (("full", self.allocator.full, evictable[0]), ("swa", self.allocator.swa, evictable[1])):
+        for name, alloc, spare in (("full", self.allocator.full, spare_full), ("swa", self.allocator.swa, spare_swa)):
             out[name, "total"] = alloc.size
             out[name, "available"] = alloc.available_size() + spare
             out[name, "used"] = alloc.used_size() - spare

@@ -245,16 +245,18 @@ class Scheduler:
 
     # ---- slots -------------------------------------------------------------------------------------------
     def _release_window(self, reqs) -> None:
-        """Give back SWA slots of tokens no future query can see (position <= cached - window)."""
+        """Give back SWA slots of tokens no future query can see (position <= cached - window), or, with the
+        prefix cache, that it will not keep."""
         if self.window is None:
             return
         ps = self.slots.page_size
         for r in reqs:
             if r.done:
                 continue
-            # The prefix cache can keep whole pages only: keep the window of the last whole page's end too.
-            end = r.cached if self.slots.tree is None else r.cached // ps * ps
-            cut = end - self.window + 1
+            if self.slots.tree is None:
+                cut = r.cached - self.window + 1
+            else:  # what the prefix cache will keep of this request's KV when it finishes (a page more)
+                cut = self.slots.tree.keep_from(r.cached // ps * ps)
             if cut <= r.swa_released_upto:
                 continue
             freed = self.slots.free_swa(r.locs[r.swa_released_upto:cut])

@@ -18,14 +18,15 @@ WINDOW = 8
 MODEL = Gemma3Config.tiny(sliding_window=WINDOW)  # a config only: no weights are built
 
 
-def make(full=256, ratio=0.5, chunk=16, running=4, hicache=0, page_size=1):
+def make(full=256, ratio=0.5, chunk=16, running=4, hicache=0, page_size=1, prefix_cache=False):
     rc = EngineConfig(model="tiny", max_total_tokens=full, swa_full_tokens_ratio=ratio, page_size=page_size,
                       chunked_prefill_size=chunk, max_running_requests=running, hicache_size=hicache).resolve(MODEL)
     stats = EngineStats("memo")
     pool = build_hybrid_kv_pool(full_size=rc.full_pool_size, swa_size=rc.swa_pool_size, page_size=page_size,
                                 layer_is_swa=[True, False], num_kv_heads=1, head_dim=2, dtype=torch.float32,
                                 policy="memo", stats=stats.translation, reporter=None)
-    slots = KVSlots(pool.allocator, HostKVCache(pool, hicache))
+    slots = KVSlots(pool.allocator, HostKVCache(pool, hicache, stats), prefix_cache=prefix_cache, window=WINDOW,
+                    stats=stats.prefix_cache)
     return Scheduler(rc, slots, stats, eos_ids=[1]), stats
 
 
