@@ -317,6 +317,9 @@ def run_bench(args, cfg: EngineConfig) -> int:
     threads = args.threads or torch.get_num_threads()
     torch.set_num_threads(threads)  # one setting for both sides
 
+    # The same prompts run several times: a prefix cache would turn later runs into cache hits, so the bench
+    # measures prefill and decode with it off (benchmarks/prefix_cache_chat.py measures the cache itself).
+    cfg = cfg.with_(disable_prefix_caching=True)
     model_config, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
     tokenizer = load_tokenizer(cfg.model)
     probe = probed_engine(cfg, model, tokenizer)  # both engines share the weights
@@ -354,6 +357,7 @@ def run_bench(args, cfg: EngineConfig) -> int:
     report = {
         "setup": {"model": str(cfg.model), "dtype": cfg.dtype, "device": cfg.device, "threads": threads,
                   "attention_backend": cfg.attention_backend, "loc_cache": cfg.loc_cache, "graphs": cfg.graphs,
+                  "prefix_cache": False,
                   "prompt_len": prompt_len, "gen_len": gen_len, "window": window,
                   "full_pool_tokens": probe.engine.resolved.full_pool_size,
                   "swa_pool_tokens": probe.engine.resolved.swa_pool_size,
