@@ -1,11 +1,20 @@
 """Attention in plain torch: the reference everywhere, and the CPU default.
 
-Extend runs one request at a time with masks built from absolute positions. Decode runs the whole batch at
-once over a padded (B, L) key table: every listed key of a decode query is visible (the window list already
-starts at the window), so only the padding needs masking. The table is built once per forward and key list.
+Decode and extend both run the whole batch in one call over padded tables built once per forward and key
+list: queries (B, Tq) and keys (B, L), padding pointing at slot 0 (the sink), and a (B, 1, Tq, L) mask of
+what each query may see (its request's keys, causal, within the window on sliding layers). A decode query
+sees every listed key (the window list already starts at the window), so only padding is masked; a batch
+without padding (one request, or equal lengths) needs no mask at all, and a fresh single-request prefill
+is plain causal attention. Attention is computed in float32 through `scaled_dot_product_attention` (the
+fused kernel), whatever the model's dtype: on CPUs without bfloat16 units its bfloat16 path is an order of
+magnitude slower (13 ms against 1 ms for a batch-8 decode layer over 600 keys here), and the upcast of the
+gathered keys costs less than that. Logit soft-capping, which the fused kernel cannot express, takes the
+explicit path.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,69 +23,110 @@ from runtime.attention.base import AttentionBackend
 from runtime.attention.sliding_window import KVIndexList
 
 
+@dataclass
+class _Plan:
+    """How one key list is laid out for one forward (per sliding window, for extend)."""
+
+    slots: torch.Tensor  # (B, L) int64 pool slots, padding 0
+    mask: torch.Tensor | None  # (B, 1, Tq, L) bool, None when every listed key is visible
+    causal: bool = False  # a single request whose keys are exactly its queries: plain causal attention
+    q_index: torch.Tensor | None = None  # (B, Tq) int64 rows of the flattened T (padding 0); None: B == 1
+    q_real: torch.Tensor | None = None  # (B, Tq) bool, the real rows of q_index
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, pool, req_to_token, sliding_window: int | None):
+        super().__init__(pool, req_to_token, sliding_window)
+        self._plans: dict[tuple[int, int | None], _Plan] = {}  # (id of a key list, window) -> plan
+
     def init_forward_metadata(self, batch) -> None:
         super().init_forward_metadata(batch)
-        self._padded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plans = {}
 
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
-        if self.batch.is_decode:
-            return self._decode(q, k_buf, v_buf, keys, layer)
-        return self._extend(q, k_buf, v_buf, keys, layer)
+        decode = self.batch.is_decode
+        window = None if decode else layer.sliding_window
+        plan = self._plans.get((id(keys), window))
+        if plan is None:
+            plan = self._plans[(id(keys), window)] = self._decode_plan(keys) if decode else self._extend_plan(keys, window)
+        if decode:
+            qb = q[:, :, None, :]  # (B, H, 1, D)
+        else:
+            qb = (q[None] if plan.q_index is None else q[plan.q_index]).transpose(1, 2)  # (B, H, Tq, D)
+        k, v = _gather(k_buf, plan.slots), _gather(v_buf, plan.slots)  # (B, Hkv, L, D)
+        out = _attention(qb, k, v, plan.mask, plan.causal, layer)  # (B, H, Tq, D)
+        if decode:
+            return out.reshape(q.shape)  # Tq = 1
+        out = out.transpose(1, 2)  # (B, Tq, H, D)
+        return out[0] if plan.q_real is None else out[plan.q_real]  # (T, H, D)
 
-    def _padded_table(self, keys: KVIndexList) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, L) slots (padding: slot 0, the sink) and the (B, L) mask of real keys, cached per forward."""
-        cached = self._padded.get(id(keys))
-        if cached is None:
-            lens = torch.tensor([b - a for a, b in zip(keys.indptr_list, keys.indptr_list[1:])])
-            width = max(int(lens.max()), 1) if lens.numel() else 1
-            real = torch.arange(width)[None, :] < lens[:, None]  # (B, L)
-            slots = torch.zeros(real.shape, dtype=torch.int64)
-            slots[real] = keys.indices.long().cpu()
-            device = keys.indices.device
-            cached = self._padded[id(keys)] = (slots.to(device), real.to(device))
-        return cached
+    # ---- plans (once per forward and key list) -----------------------------------------------------------
+    @staticmethod
+    def _key_table(keys: KVIndexList) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(B, L) slots (padding: slot 0, the sink), the (B, L) mask of real keys, and the lengths."""
+        lens = [b - a for a, b in zip(keys.indptr_list, keys.indptr_list[1:])]
+        device = keys.indices.device
+        width = max(max(lens, default=0), 1)
+        real = torch.arange(width, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]  # (B, L)
+        slots = torch.zeros(real.shape, dtype=torch.int64, device=device)
+        slots[real] = keys.indices.long()
+        return slots, real, lens
 
-    def _decode(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
-        slots, real = self._padded_table(keys)
-        B, H, D = q.shape
-        group = H // layer.num_kv_heads
-        k = k_buf[slots].float()  # (B, L, Hkv, D)
-        v = v_buf[slots].float()
-        qg = q.float().view(B, layer.num_kv_heads, group, D)  # (B, Hkv, G, D)
-        scores = torch.einsum("bkgd,blkd->bkgl", qg, k) * layer.scaling  # (B, Hkv, G, L)
-        if layer.logit_softcapping:
-            scores = torch.tanh(scores / layer.logit_softcapping) * layer.logit_softcapping
-        scores = scores.masked_fill(~real[:, None, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.einsum("bkgl,blkd->bkgd", probs, v)  # (B, Hkv, G, D)
-        return out.reshape(B, H, D).to(q.dtype)
+    def _decode_plan(self, keys: KVIndexList) -> _Plan:
+        slots, real, lens = self._key_table(keys)
+        padded = len(set(lens)) > 1
+        return _Plan(slots, real[:, None, None, :] if padded else None)  # mask (B, 1, 1, L)
 
-    def _extend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
-        meta = self.meta
-        qo, kv, starts = meta.qo_list, keys.indptr_list, keys.start_list
-        out = torch.empty_like(q)  # (T, H, D)
-        group = layer.num_heads // layer.num_kv_heads
-        window = layer.sliding_window
-        for b in range(len(qo) - 1):
-            qb = q[qo[b]:qo[b + 1]].float()  # (Tq, H, D)
-            slots = keys.indices[kv[b]:kv[b + 1]].long()
-            kb = k_buf[slots].float().repeat_interleave(group, dim=1)  # (L, H, D)
-            vb = v_buf[slots].float().repeat_interleave(group, dim=1)
-            q_pos = meta.q_positions[qo[b]:qo[b + 1]].long()[:, None]  # (Tq, 1)
-            k_pos = starts[b] + torch.arange(slots.numel(), device=q.device)[None, :]  # (1, L)
-            visible = k_pos <= q_pos  # (Tq, L)
-            if window is not None:
-                visible &= q_pos - k_pos < window
-            if layer.logit_softcapping:
-                scores = torch.einsum("qhd,khd->hqk", qb, kb) * layer.scaling  # (H, Tq, L)
-                scores = torch.tanh(scores / layer.logit_softcapping) * layer.logit_softcapping
-                probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
-                ob = torch.einsum("hqk,khd->qhd", probs, vb)
-            else:  # the fused kernel, same math
-                ob = F.scaled_dot_product_attention(qb.transpose(0, 1), kb.transpose(0, 1), vb.transpose(0, 1),
-                                                    attn_mask=visible, scale=layer.scaling).transpose(0, 1)
-            out[qo[b]:qo[b + 1]] = ob.to(q.dtype)
-        return out
+    def _extend_plan(self, keys: KVIndexList, window: int | None) -> _Plan:
+        slots, k_real, _ = self._key_table(keys)
+        device = slots.device
+        qo = self.meta.qo_list
+        B, L = slots.shape
+        extend = [b - a for a, b in zip(qo, qo[1:])]
+        Tq = max(extend)
+        if B == 1 and L == Tq and keys.start_list[0] == self.batch.prefix_lens[0] and (window is None or L <= window):
+            return _Plan(slots, None, causal=True)  # the keys are the queries themselves, all within the window
+        q_index = q_real = None
+        q_pos = self.meta.q_positions.long()[None]  # (1, T)
+        if B > 1:
+            t = torch.arange(Tq, device=device)[None, :]  # (1, Tq)
+            q_real = t < torch.tensor(extend, device=device)[:, None]  # (B, Tq)
+            q_index = torch.where(q_real, torch.tensor(qo[:-1], device=device)[:, None] + t, 0)
+            q_pos = q_pos[0, q_index]  # (B, Tq)
+        k_pos = torch.tensor(keys.start_list, device=device)[:, None] + torch.arange(L, device=device)[None]  # (B, L)
+        visible = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # (B, Tq, L)
+        if window is not None:
+            visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
+        if q_real is not None:
+            visible |= ~q_real[:, :, None]  # padded query rows see everything (finite); their rows are dropped
+        return _Plan(slots, visible[:, None], q_index=q_index, q_real=q_real)
+
+
+def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows `slots` (B, L) of a pool buffer (S, Hkv, D) as (B, Hkv, L, D). `index_select` on the flattened
+    slots: 4-5x faster than advanced indexing for these row gathers."""
+    rows = buf.index_select(0, slots.view(-1)).view(*slots.shape, *buf.shape[1:])  # (B, L, Hkv, D)
+    return rows.transpose(1, 2)
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+               layer) -> torch.Tensor:
+    """q (B, H, Tq, D), k/v (B, Hkv, L, D), mask (B, 1, Tq, L) or None -> (B, H, Tq, D) in q's dtype,
+    computed in float32."""
+    q32, k, v = q.float(), k.float(), v.float()
+    if not layer.logit_softcapping:
+        out = F.scaled_dot_product_attention(q32, k, v, attn_mask=mask, is_causal=causal, scale=layer.scaling,
+                                             enable_gqa=True)
+        return out.to(q.dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # (B, H, L, D): query head h reads kv head h // group
+    v = v.repeat_interleave(group, dim=1)
+    scores = q32 @ k.transpose(-1, -2) * layer.scaling  # (B, H, Tq, L)
+    scores = torch.tanh(scores / layer.logit_softcapping) * layer.logit_softcapping
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v).to(q.dtype)
