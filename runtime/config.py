@@ -8,12 +8,15 @@ from telemetry.names import POLICIES
 
 BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16")
+QUANTIZATIONS = ("none", "int8")  # weight formats (runtime/layers/quantized.py)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "gemma3-270m"
     dtype: str = "float32"
+    quantization: str = "none"  # int8: weight-only int8 projections and LM head; dtype stays the activations'
+    compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"
     attention_backend: str = "torch"
     loc_cache: str = "memo"
@@ -43,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"--attention-backend must be one of {', '.join(BACKENDS)}, got {self.attention_backend!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if not 0.0 <= self.loc_cache_verify <= 1.0:
             raise ValueError(f"--loc-cache-verify must be within [0, 1], got {self.loc_cache_verify}")
         if self.page_size < 1:

@@ -47,7 +47,13 @@ class Engine:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         if model is None:
-            _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress)
+            _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
+                                  quantization=cfg.quantization, compile_layers=cfg.compile_decode)
+        elif (getattr(model, "quantization", "none"), getattr(model, "layers_compiled", False)) != (
+                cfg.quantization, cfg.compile_decode):
+            raise ValueError(f"the model given does not match the config's quantization={cfg.quantization!r}, "
+                             f"compile_decode={cfg.compile_decode}: build it with load_model(..., quantization=..., "
+                             "compile_layers=...)")
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)

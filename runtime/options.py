@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.config import BACKENDS, DTYPES, POLICIES, EngineConfig
+from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 from runtime.faults import FAULTS
 
 
@@ -16,7 +16,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="gemma3-270m (default), tiny, a .gguf file or a HF directory")
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype)
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="activation (and KV cache) dtype")
+    g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
+                   help="weight format: none (the --dtype) or int8 (weight-only, per-channel scales: projections "
+                        "and LM head)")
+    g.add_argument("--compile-decode", action="store_true",
+                   help="torch.compile each layer's math around its attention call (compiles on first use)")
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)
     g.add_argument("--loc-cache", choices=POLICIES, default=d.loc_cache, help="full→SWA translation policy")
     g.add_argument("--loc-cache-guard", choices=("on", "off"), default="on",
@@ -90,7 +95,8 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, attention_backend=args.attention_backend, loc_cache=args.loc_cache,
+        model=args.model, dtype=args.dtype, quantization=args.quantization, compile_decode=args.compile_decode,
+        attention_backend=args.attention_backend, loc_cache=args.loc_cache,
         loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
         graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.context import get_forward_context
+
 
 class Attention(nn.Module):
     """Backend contract: `attn_backend.forward(q, k, v, layer)` with q (T, H, D) and k, v (T, Hkv, D),
@@ -44,10 +46,6 @@ class Attention(nn.Module):
         return self.sliding_window is not None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # Imported here so that the model can be built (and tested) without the engine's context module;
-        # a lookup per call also picks up a context swapped in by tests.
-        from runtime.context import get_forward_context
-
         backend = get_forward_context().attn_backend
         if backend is None:
             raise RuntimeError("no attention backend installed: run the model inside a forward context")

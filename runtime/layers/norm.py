@@ -6,6 +6,18 @@ import torch
 from torch import nn
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * (1 + weight)` over the last dimension, in float32, cast back to x's dtype.
+
+    `weight` broadcasts against x (e.g. (dim,), or (heads, dim) to normalise several heads with their own
+    weights in one pass). The operations and their order are the reference implementation's, so float32
+    results are bit-identical to it.
+    """
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """`y = x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in float32 and cast back to x's dtype.
 
@@ -20,9 +32,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

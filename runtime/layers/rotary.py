@@ -1,8 +1,9 @@
 """Rotary position embedding (rotate-half layout) with a precomputed float32 cos/sin table.
 
 Gemma 3 uses two bases: 10 000 on sliding-window layers and 1 000 000 on global layers (whose positions
-may also be linearly scaled). The model builds one `RotaryEmbedding` per distinct (base, factor) and
-shares it between the layers that use it.
+may also be linearly scaled). The model builds one `RotaryEmbedding` per distinct (base, factor), shares it
+between the layers that use it, and looks the batch's angles up once per forward (`cos_sin`), not once per
+layer; each layer then only rotates (`apply_rotary`).
 """
 
 from __future__ import annotations
@@ -26,13 +27,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", angles.cos(), persistent=False)  # (P, D/2)
         self.register_buffer("sin_cache", angles.sin(), persistent=False)  # (P, D/2)
 
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The angles of the tokens at `positions` (T,): cos and sin, each (T, 1, D/2) float32."""
+        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (T, H, D) and k (T, Hkv, D) by their tokens' positions (T,)."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # (T, 1, D/2)
-        sin = self.sin_cache[positions].unsqueeze(1)  # (T, 1, D/2)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.cos_sin(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
     def extra_repr(self) -> str:
         return (
@@ -41,8 +45,9 @@ class RotaryEmbedding(nn.Module):
         )
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Pairs (x[i], x[i + D/2]) turn by the angle of frequency i; computed in float32."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x (T, heads, D) by angles (T, 1, D/2): pairs (x[i], x[i + D/2]) turn by the angle of frequency
+    i; computed in float32 (`x1*cos - x2*sin` is the reference's `x1*cos + (-x2)*sin`, bit for bit)."""
     x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, H, D)
     return rotated.to(x.dtype)

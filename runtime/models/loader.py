@@ -283,15 +283,35 @@ def build_model(
     state_dict: StateDict,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    quantization: str = "none",
 ) -> Gemma3ForCausalLM:
     """Allocate the model directly in `dtype` on `device` and copy `state_dict` in (every weight required).
+
+    With `quantization="int8"` the projections and the embedding/LM head are quantised from the state
+    dict's values as they load (hand float32 values for the best scales); `dtype` is then the activation
+    dtype, that of the norms and of the int8 kernels' inputs.
 
     NOTE: do not `.to(dtype)` a built model: that would also cast the float32 RoPE tables.
     """
     with torch.device(device), _default_dtype(dtype):
-        model = Gemma3ForCausalLM(config)
+        model = Gemma3ForCausalLM(config, quantization)
     model.load_state_dict(state_dict, strict=True)
     return model.eval().requires_grad_(False)
+
+
+def read_weights(
+    name_or_path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
+) -> tuple[Gemma3Config, StateDict]:
+    """The config and the state dict (in `dtype`) that a model name (see `registry.resolve_model`) or path
+    names, before any model is built: one read serves several builds (e.g. in several dtypes)."""
+    from runtime.models.registry import resolve_model
+
+    source = resolve_model(name_or_path)
+    if source.kind == "tiny":
+        return source.config, random_state_dict(source.config, seed=source.seed, dtype=dtype)
+    if source.kind == "gguf":
+        return load_gguf(source.path, dtype=dtype, progress=progress)
+    return load_hf_dir(source.path, dtype=dtype)
 
 
 def load_model(
@@ -299,15 +319,17 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     progress: bool = True,
+    quantization: str = "none",
+    compile_layers: bool = False,
 ) -> tuple[Gemma3Config, Gemma3ForCausalLM]:
-    """Resolve a model name (see `registry.resolve_model`) or path and build it, ready for inference."""
-    from runtime.models.registry import resolve_model
+    """Read the weights a model name or path names and build the model, ready for inference.
 
-    source = resolve_model(name_or_path)
-    if source.kind == "tiny":
-        config, state = source.config, random_state_dict(source.config, seed=source.seed)
-    elif source.kind == "gguf":
-        config, state = load_gguf(source.path, dtype=dtype, progress=progress)
-    else:
-        config, state = load_hf_dir(source.path, dtype=dtype)
-    return config, build_model(config, state, dtype=dtype, device=device)
+    `quantization` as in `build_model` (the weights are then read in float32 and quantised from that);
+    `compile_layers` runs each layer's math through `torch.compile` (`Gemma3ForCausalLM.compile_layers`).
+    """
+    read_dtype = dtype if quantization == "none" else torch.float32
+    config, state = read_weights(name_or_path, read_dtype, progress)
+    model = build_model(config, state, dtype=dtype, device=device, quantization=quantization)
+    if compile_layers:
+        model.compile_layers()
+    return config, model
