@@ -320,7 +320,8 @@ def run_bench(args, cfg: EngineConfig) -> int:
     # The same prompts run several times: a prefix cache would turn later runs into cache hits, so the bench
     # measures prefill and decode with it off (benchmarks/prefix_cache_chat.py measures the cache itself).
     cfg = cfg.with_(disable_prefix_caching=True)
-    model_config, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device)
+    model_config, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device,
+                                     quantization=cfg.quantization, compile_layers=cfg.compile_decode)
     tokenizer = load_tokenizer(cfg.model)
     probe = probed_engine(cfg, model, tokenizer)  # both engines share the weights
     window = probe.engine.resolved.window
@@ -355,7 +356,7 @@ def run_bench(args, cfg: EngineConfig) -> int:
         kv.append(kv_row(probe.engine, batch, prompts, ours.kv_used))
 
     report = {
-        "setup": {"model": str(cfg.model), "dtype": cfg.dtype, "device": cfg.device, "threads": threads,
+        "setup": {"model": str(cfg.model), "dtype": cfg.dtype, "quantization": cfg.quantization, "device": cfg.device, "threads": threads,
                   "attention_backend": cfg.attention_backend, "loc_cache": cfg.loc_cache, "graphs": cfg.graphs,
                   "prefix_cache": False,
                   "prompt_len": prompt_len, "gen_len": gen_len, "window": window,

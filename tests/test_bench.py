@@ -95,3 +95,14 @@ def test_telemetry_overhead_runs_pairs_in_abba_order_and_reports_the_on_off_rati
     assert o["steps_per_side"] == 12 and o["pair_ratios"] == pytest.approx([1.1] * 3)
     assert o["overhead_pct"] == pytest.approx(10.0)
     assert (o["median_step_ms_on"], o["median_step_ms_off"]) == pytest.approx((11.0, 10.0))
+
+
+def test_the_engine_options_reach_the_benched_model(tmp_path):
+    """`--quantization int8` builds the shared model int8 (the engines refuse a model of another format)."""
+    path = tmp_path / "bench.json"
+    argv = ["bench", "--model", "tiny", "--quantization", "int8", "--prompt-len", "20", "--gen-len", "3",
+            "--batch-sizes", "1", "--overhead-rounds", "1", "--skip-transformers", "--json", str(path)]
+    assert main(argv) == 0
+    report = json.loads(path.read_text())
+    assert report["setup"]["quantization"] == "int8"
+    assert report["throughput"][0]["generated_tokens"] == 3
