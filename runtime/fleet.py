@@ -46,7 +46,7 @@ POLL_S = 0.2
 BACKOFF_S = (1.0, 30.0)  # first restart delay, cap (doubling in between)
 STABLE_S = 60.0  # serving this long resets a replica's backoff
 REGISTER_TIMEOUT_S = 30.0  # a replica the router has not shown healthy by then is added again
-POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
+ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 ROUTER_JOB, REPLICA_JOB = "swa-router", "swa-runtime"  # the jobs in --prometheus-targets
 
 
@@ -347,7 +347,7 @@ def add_fleet_args(p) -> None:
     g.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
     g.add_argument("--router-metrics-port", type=int, default=None, metavar="PORT",
                    help="the router's Prometheus port (default: a free one)")
-    g.add_argument("--policy", choices=POLICIES, default="cache_aware", help="the router's policy")
+    g.add_argument("--policy", choices=ROUTER_POLICIES, default="cache_aware", help="the router's policy")
     g.add_argument("--router-arg", action="append", default=[], metavar="OPTION",
                    help="an option passed to the router as is (repeatable), e.g. --router-arg=--cache-threshold=0.5")
     g.add_argument("--replica-args", action="append", default=[], metavar="I:OPTIONS",

@@ -22,7 +22,7 @@ Where the workload's phases matter (see runtime/diagnose/__init__.py):
 
 import pytest
 
-POLICIES = ("memo", "layerwise", "per_forward", "off")
+from telemetry.names import POLICIES
 
 # fault -> policy -> {(site, classification)} of non-benign events, and (phase, mode, prev_mode, cause) of the
 # first occurrence of each.

@@ -1,6 +1,12 @@
 """The scheduler on its own: real pools and host tier, no model. A stand-in for the engine feeds `process()`
 tokens that depend only on the request's ids, and every step the slot accounting is checked against the
-requests' own records: full slots held = tokens cached, SWA slots held = tokens still in some window."""
+requests' own records: full slots held = tokens cached, SWA slots held = tokens still in some window.
+Nothing of the model side is imported (`test_no_model_code_is_imported` checks it in a fresh interpreter)."""
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,12 +16,14 @@ from runtime.core import Req, RequestError, SamplingParams
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
 from runtime.mem_cache.swa_pool import build_hybrid_kv_pool
-from runtime.models.config import Gemma3Config
 from runtime.scheduler.scheduler import Scheduler
 from telemetry.stats import EngineStats
 
 WINDOW = 8
-MODEL = Gemma3Config.tiny(sliding_window=WINDOW)  # a config only: no weights are built
+# What EngineConfig.resolve reads of a model config, with Gemma3Config.tiny's values: the scheduler needs no
+# model, not even its config class (importing runtime.models would pull in the model and layer code).
+MODEL = SimpleNamespace(sliding_window=WINDOW, sliding_layer_ids=(0, 1, 3, 4), full_layer_ids=(2, 5),
+                        max_position_embeddings=1024, vocab_size=260, num_key_value_heads=2, head_dim=16)
 
 
 def make(full=256, ratio=0.5, chunk=16, running=4, hicache=0, page_size=1, prefix_cache=False):
@@ -173,3 +181,15 @@ def test_requests_that_can_never_be_served_are_rejected_before_anything_is_held(
         s.add(Req(list(range(4, 60)), SamplingParams(max_new_tokens=8)))
     assert stats.request_counts["rejected"] == 3
     s.assert_idle_clean()
+
+
+def test_no_model_code_is_imported():
+    """These tests (and the prefix-cache ones built on them) import no model, layer, attention, executor or
+    sampling code: run in a fresh interpreter, importing this module loads none of it."""
+    here = Path(__file__).resolve()
+    probe = ("import sys; sys.path[:0] = [%r, %r]; import test_scheduler_unit, test_prefix_cache_unit; "
+             "print(' '.join(m for m in sys.modules if m.split('.')[:2] in (['runtime', 'models'], "
+             "['runtime', 'layers'], ['runtime', 'attention'], ['runtime', 'executor'], ['runtime', 'engine'])))"
+             % (str(here.parents[2]), str(here.parent)))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.split() == []

@@ -198,8 +198,10 @@ def test_shutdown_answers_queued_and_running_requests_with_503():
         for t in threads:
             t.join(30)
         server.engine_loop._thread.join(30)
+        health = httpx.get(f"{server.url}/health", timeout=10)
     finally:
         server.stop()
+    assert health.status_code == 503 and health.json()["error"]["message"] == "the engine thread is not running"
     assert results["plain"].status_code == 503 and results["plain"].json() == SHUTDOWN_ERROR
     assert results["stream"][-2:] == [SHUTDOWN_ERROR, "[DONE]"]
     assert server.engine.stats.request_counts["aborted"] - aborted == 2

@@ -124,10 +124,12 @@ def test_an_idle_kept_alive_connection_is_closed(tight):
     sock = _connect(tight)
     sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
     start = time.monotonic()
-    status, _, _, closed = _response(sock)  # waits for the close after the response
-    assert status == 200 and closed
-    assert time.monotonic() - start < TIMEOUT + 1.0
+    status, headers, _, closed = _response(sock)  # waits for the close after the response
+    elapsed = time.monotonic() - start
+    assert status == 200 and closed and headers.get("connection") != "close"  # kept alive, then closed idle
+    assert TIMEOUT * 0.9 < elapsed < TIMEOUT + 1.0, f"closed after {elapsed:.2f} s"
     sock.close()
+    _assert_healthy_and_clean(tight)
 
 
 def test_connections_beyond_the_cap_are_refused_and_idle_ones_released(tight):

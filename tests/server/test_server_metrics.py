@@ -90,3 +90,25 @@ def test_metrics_count_exactly_what_was_sent(fresh):
         assert total > 0 and after[("swa_runtime_kv_tokens", (("pool", pool), ("state", "available")))] == total
     build = [k for k in after if k[0] == "swa_runtime_build_info"]
     assert len(build) == 1 and dict(build[0][1])["model"] == "tiny" and after[build[0]] == 1
+
+
+def test_a_model_given_as_a_path_puts_no_path_in_any_label(tmp_path):
+    """`--model /some/dir/name.gguf`: build_info's `model` is the file stem, and no label value of any series
+    carries the directory (labels must not leak file-system paths)."""
+    secret = tmp_path / "private-models-dir"
+    srv = start_server(make_engine(model=str(secret / "my-gemma.gguf")))
+    try:
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            r = client.post("/generate", json={"input_ids": [2, 40, 41], "sampling_params": {
+                "max_new_tokens": 2, "ignore_eos": True}})
+            assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+            samples = scrape(client)
+            health = client.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+        srv.wait_idle_clean()
+    finally:
+        srv.stop()
+    (build,) = [dict(labels) for name, labels in samples if name == "swa_runtime_build_info"]
+    assert build["model"] == "my-gemma"
+    leaked = sorted({v for _, labels in samples for _, v in labels if "/" in v or "private-models-dir" in v})
+    assert leaked == [], f"label values carrying a path: {leaked}"

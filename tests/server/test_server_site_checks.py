@@ -75,6 +75,8 @@ def test_same_origin_is_served(live):
 def test_api_docs_are_off_by_default(live, path):
     r = httpx.get(f"{live.url}{path}")
     assert r.status_code == 404 and r.json()["error"]["message"] == f"no route {path}"
+    assert httpx.get(f"{live.url}/health", timeout=10).json()["status"] == "ok"
+    live.wait_idle_clean()
 
 
 def test_configured_hosts_origins_and_docs(configured):
