@@ -48,6 +48,7 @@ class _Entry:
     snapshot: torch.Tensor  # the location tensor's contents at fill time
     mapping: torch.Tensor  # the mapping tensor the value was gathered from
     filler: weakref.ref | None  # the tensor that filled it (memo); None when the key is not an address
+    owner: weakref.ref | None  # what owns its memory: the filler's base tensor if it is a view, else the filler
 
 
 class MappingSource(Protocol):
@@ -101,6 +102,8 @@ class Translator:
                 f"{self.forward_id} ({self.mode}); last hooked mutation: {self.source.last_mutation or 'none'}")
 
     def translate(self, loc: torch.Tensor, site: str, layer_pos: int = 0) -> torch.Tensor:
+        if site != ONE_OFF_SITE:
+            self._last_site = site  # so that a mapping change found at the end of the forward names it
         return self.gather(loc)
 
     def invalidate(self, site: str) -> None:
@@ -176,19 +179,20 @@ class _CachingTranslator(Translator):
         return (tensor_version(loc), tensor_version(src.full_to_swa_index_mapping), src.mapping_generation)
 
     def _holds(self, entry: _Entry, loc: torch.Tensor, guard: tuple) -> bool:
-        """The entry still describes `loc`: versions, the mapping tensor, the filling tensor alive (so no other
-        tensor took its address), and the same contents (catches writes no version counter sees)."""
+        """The entry still describes `loc`: versions, the mapping tensor, the memory the filling tensor viewed
+        still owned by the same live tensor (so no other tensor took its address; another view of that live
+        buffer is the same memory), and the same contents (catches writes no version counter sees)."""
         return (
             entry.guard == guard
             and entry.mapping is self.source.full_to_swa_index_mapping
-            and (entry.filler is None or entry.filler() is not None)
+            and (entry.owner is None or entry.owner() is not None)
             and torch.equal(loc, entry.snapshot)
         )
 
     def _cause(self, entry: _Entry, loc: torch.Tensor, guard: tuple) -> str:
         """Say what moved between fill and now: the buffer (and how), the mapping (and through which path)."""
         parts = []
-        if entry.filler is not None and entry.filler() is None:
+        if entry.owner is not None and entry.owner() is None:
             parts.append("address reuse: the tensor that filled the entry was freed and another tensor of the "
                          "same length now sits at its address")
         elif not torch.equal(loc, entry.snapshot):
@@ -208,8 +212,12 @@ class _CachingTranslator(Translator):
     def _fill(self, loc: torch.Tensor, key: tuple, view: tuple, guard: tuple, site: str,
               filler: weakref.ref | None) -> torch.Tensor:
         value = self.gather(loc, checked=True)
+        owner = None
+        if filler is not None:  # a view keeps its base alive: the base owns the memory the key points at
+            base = loc._base
+            owner = weakref.ref(loc if base is None else base)
         self._entry = _Entry(key, view, guard, value, self.forward_id, self.mode, site, loc.clone(),
-                             self.source.full_to_swa_index_mapping, filler)
+                             self.source.full_to_swa_index_mapping, filler, owner)
         self._invalidated_since_fill = False
         return value
 
@@ -263,7 +271,8 @@ class _CachingTranslator(Translator):
                         self._report("stale_loc", site, entry, entry.key, f"verification mismatch ({UNSEEN_WRITE})")
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.
-                    self._fill(loc, entry.key, entry.view, self._guard(loc), site, entry.filler)
+                    self._fill(loc, entry.key, entry.view, self._guard(loc), site,
+                               None if entry.filler is None else weakref.ref(loc))
                     return self._entry.value
         self.stats.hit(mode)
         return entry.value

@@ -150,6 +150,7 @@ def test_each_bug_is_counted_attributed_and_survived(tiny, truth, name, monkeypa
     first = run.first_events["kv_write", "stale_loc"]
     assert first.cause.startswith(cause), first.cause
     assert phase is None or run.phase_of(first.forward_id) == phase
+    attributed(name, first)
     mismatches = compare(run, truth)
     if default_equal:
         assert mismatches == []
@@ -161,14 +162,40 @@ def test_each_bug_is_counted_attributed_and_survived(tiny, truth, name, monkeypa
     assert stale_events(strict), "the strict run must still count the event"
 
 
+def attributed(name, first):
+    """The event names the right thing: the translate site, the forward, and for an unhooked mapping write when
+    it happened and the last hooked mutation before it; for a location buffer, the code that translated it."""
+    assert first.site == "kv_write" and first.classification == "stale_loc"
+    if UNHOOKED in first.cause:
+        # found in the forward that wrote it (the remap's, or the one after the engine's load-back), after the
+        # previous one ended; the allocator's last hooked mutation before it was that forward's allocation
+        assert f"written after forward {first.forward_id - 1} ended, by forward {first.forward_id} ({first.mode})" \
+            in first.cause, first.cause
+        assert first.cause.endswith("last hooked mutation: alloc"), first.cause
+    else:  # the location buffer: the entry was filled earlier in the same forward, at the same site
+        assert (first.prev_site, first.prev_forward_id) == ("kv_write", first.forward_id)
+        assert "set_kv_buffer" in first.stack
+    if name == "per_layer_temporary":  # the patched layer call that made the temporary is on the stack
+        assert "test_bug_classes.py" in first.stack and "set_kv_buffer" in first.stack
+
+
 @pytest.mark.parametrize("name", CLASSES)
 def test_diagnose_fails_with_a_classified_row_for_each_bug(name, monkeypatch):
-    bug, phase, cause, _ = CLASSES[name]
+    bug, phase, cause, default_equal = CLASSES[name]
     bug(monkeypatch)
     report = run_diagnose(policies=("memo",))
     assert report.exit_status == 1
     rows = [r for r in report.rows if r.classification == "stale_loc"]
     assert rows and rows[0].first.cause.startswith(cause) and phase in (None, rows[0].phase)
+    assert any(f.startswith("memo: ") and f.endswith("stale_loc event(s) at kv_write") for f in report.failures)
+    # the bug is in the build, so a clean run of the same policy would corrupt the same way and compare equal:
+    # only the uncached `off` run shows the corruption (the numpy mapping write, which the default can return)
+    differ = [f for f in report.failures if "outputs differ" in f]
+    if default_equal:
+        assert differ == []
+    else:
+        assert [f.split(" tokens differ")[0].rsplit(" ", 1)[0] for f in differ] == [
+            f"memo: outputs differ from the uncached `off` run: {phase}:"]
 
 
 def test_the_uncached_run_of_the_same_build_is_the_reference_whatever_the_settings():

@@ -310,3 +310,125 @@ def test_an_event_names_the_engine_code_that_asked_not_library_frames(make_pool)
         pool.translate_loc_from_full_to_swa(static, "kv_write")
     (event,) = pool.reporter.first_events()
     assert "test_an_event_names_the_engine_code" in event.stack and "contextlib" not in event.stack
+
+
+# ---- stale translations no version counter sees (issue 10): address reuse, unhooked mapping writes ----------
+class CachingAllocator:
+    """Hands out temporaries from one arena, the way a caching allocator (CUDA's, any pool) reuses a freed
+    block at once: a new tensor object, its own version counter, the freed tensor's address. (glibc on a CPU
+    reuses an address only now and then; the diagnose test `per_layer_temporary` meets that case for real.)"""
+
+    def __init__(self, size: int = 64):
+        self.arena = torch.zeros(size, dtype=torch.int64)
+
+    def temporary(self, values: torch.Tensor) -> torch.Tensor:
+        self.arena[: values.numel()] = values  # written through the arena: the temporary's counter stays put
+        return torch.empty(0, dtype=torch.int64).set_(self.arena.untyped_storage(), 0, (values.numel(),))
+
+
+@pytest.mark.parametrize("guard, verify, expect_fresh", [(True, 0.0, True), (True, 1.0, True), (False, 0.0, False)])
+def test_a_freed_temporary_whose_address_is_reused_is_stale_loc_address_reuse(make_pool, guard, verify, expect_fresh):
+    pool = make_pool(guard=guard, verify_rate=verify)
+    locs = pool.allocator.alloc(8)
+    cache = CachingAllocator()
+    with fwd(pool, 1):
+        tmp = cache.temporary(locs[:4])  # a per-layer temporary location tensor
+        old = pool.translate_loc_from_full_to_swa(tmp, "kv_write").clone()
+        ptr, version = tmp.data_ptr(), tmp._version
+        del tmp  # freed ...
+        tmp = cache.temporary(locs[4:])  # ... and a new one of the same length at its address
+        assert (tmp.data_ptr(), tmp.numel(), tmp._version) == (ptr, 4, version)  # same key, same version
+        out = pool.translate_loc_from_full_to_swa(tmp, "kv_write")
+    assert torch.equal(out, fresh(pool, locs[4:]) if expect_fresh else old)
+    assert not torch.equal(old, fresh(pool, locs[4:]))  # the stale value would be wrong
+    assert events(pool) == {("kv_write", "stale_loc"): 1}
+    (event,) = pool.reporter.first_events()
+    assert event.cause.startswith("address reuse") and (event.prev_forward_id, event.forward_id) == (1, 1)
+    assert "test_a_freed_temporary_whose_address" in event.stack
+
+
+def test_a_live_temporary_at_the_same_address_with_the_same_contents_is_still_address_reuse(make_pool):
+    """Identity, not contents: the tensor that filled the entry is gone, so the entry is not trusted even
+    when the newcomer happens to hold the same locations (recomputed: the value is right either way)."""
+    pool = make_pool()
+    locs = pool.allocator.alloc(4)
+    cache = CachingAllocator()
+    with fwd(pool, 1):
+        tmp = cache.temporary(locs)
+        pool.translate_loc_from_full_to_swa(tmp, "kv_write")
+        del tmp
+        out = pool.translate_loc_from_full_to_swa(cache.temporary(locs), "kv_write")
+    assert torch.equal(out, fresh(pool, locs))
+    (event,) = pool.reporter.first_events()
+    assert event.classification == "stale_loc" and event.cause.startswith("address reuse")
+
+
+def test_another_view_of_the_same_live_buffer_is_the_same_memory_not_address_reuse(make_pool):
+    """docs/translation-rules.md: a view of the same live buffer at the same address counts as the same tensor,
+    even when each lookup slices a new view object (the one that filled the entry is gone by then)."""
+    pool = make_pool()
+    buf = pool.allocator.alloc(8).clone()
+    with fwd(pool, 1):
+        pool.invalidate_loc_cache("forward_entry")
+        outs = [pool.translate_loc_from_full_to_swa(buf[2:6], "kv_write", layer) for layer in range(SLIDING)]
+    assert all(torch.equal(o, fresh(pool, buf[2:6])) for o in outs)
+    assert events(pool) == {} and pool.stats.translation.hit_counts["eager_extend"] == SLIDING - 1
+
+
+def _torch_write(alloc, loc, swa):
+    alloc.full_to_swa_index_mapping[loc] = swa  # a helper moving slots with plain indexing: no hook
+
+
+def _numpy_write(alloc, loc, swa):
+    alloc.full_to_swa_index_mapping.numpy()[loc.numpy()] = swa.numpy()  # no hook, no version bump
+
+
+def _rebind(alloc, loc, swa):
+    rebuilt = alloc.full_to_swa_index_mapping.clone()
+    rebuilt[loc] = swa
+    alloc.full_to_swa_index_mapping = rebuilt  # adopted without register_mapping
+
+
+@pytest.mark.parametrize("verify", [0.0, 1.0])
+@pytest.mark.parametrize("policy", ["memo", "layerwise"])
+@pytest.mark.parametrize("write, kind, found_at_once", [
+    (_torch_write, "written in place (its version counter moved)", True),
+    (_rebind, "the mapping attribute was rebound to another tensor without register_mapping", True),
+    (_numpy_write, "a write no version counter sees", False),  # found at the end of the forward
+])
+def test_a_mapping_write_outside_every_hooked_mutation_is_reported_with_forward_site_and_last_mutation(
+        make_pool, policy, verify, write, kind, found_at_once):
+    pool = make_pool(policy, verify_rate=verify)
+    loc = pool.allocator.alloc(4)
+    moved = pool.allocator.swa.alloc(4)  # free SWA slots to move the tokens to
+    with fwd(pool, 7):
+        pool.invalidate_loc_cache("forward_entry")
+        pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
+        write(pool.allocator, loc, moved)
+        out = pool.translate_loc_from_full_to_swa(loc, "kv_write", 1)
+        # default: fresh at once when torch or the attribute moved; a write no counter sees leaves this
+        # forward's hits stale until its end. Strict: always fresh.
+        stale_now = not found_at_once and verify == 0.0
+        assert torch.equal(out, fresh(pool, loc)) != stale_now
+        assert events(pool) == ({} if stale_now else {("kv_write", "stale_loc"): 1})
+    assert events(pool) == {("kv_write", "stale_loc"): 1}  # reported once, in this forward
+    (event,) = pool.reporter.first_events()
+    assert event.cause.startswith(f"mapping changed outside every hooked mutation: {kind}"), event.cause
+    assert "by forward 7 (eager_extend)" in event.cause and "last hooked mutation: alloc" in event.cause
+    assert (event.site, event.forward_id) == ("kv_write", 7)
+    with fwd(pool, 8):  # adopted after the report: nothing more
+        pool.invalidate_loc_cache("forward_entry")
+        pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
+    assert events(pool) == {("kv_write", "stale_loc"): 1}
+
+
+@pytest.mark.parametrize("policy, site", [("off", "kv_write"), ("per_forward", "attn_metadata")])
+def test_uncached_policies_report_an_unhooked_mapping_write_at_their_own_translate_site(make_pool, policy, site):
+    pool = make_pool(policy)
+    loc = pool.allocator.alloc(4)
+    with fwd(pool, 3):
+        pool.translate_loc_from_full_to_swa(loc, site)
+        _numpy_write(pool.allocator, loc, pool.allocator.swa.alloc(4))
+    (event,) = pool.reporter.first_events()
+    assert (event.classification, event.site, event.forward_id) == ("stale_loc", site, 3)
+    assert event.cause.startswith("mapping changed outside every hooked mutation: a write no version counter sees")
