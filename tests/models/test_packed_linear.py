@@ -1,0 +1,69 @@
+"""bfloat16 projections through oneDNN's prepacked weights: bit-identical to `F.linear`, re-packed whenever
+a checkpoint is loaded, and never used where they do not apply (float32, gradients, CPUs without bfloat16
+units)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.layers import linear as linear_module
+from runtime.layers.linear import Embedding, Linear, PackedWeight
+
+needs_packing = pytest.mark.skipif(not linear_module.PACKING, reason="this CPU has no bfloat16 units")
+
+
+def _bf16_linear(out_features: int, in_features: int, seed: int) -> tuple[Linear, torch.Tensor]:
+    torch.manual_seed(seed)
+    weight = torch.randn(out_features, in_features).bfloat16()
+    layer = Linear(in_features, out_features).bfloat16()
+    layer.load_state_dict({"weight": weight})
+    return layer, weight
+
+
+@needs_packing
+@pytest.mark.parametrize("rows", [1, 8, 37, 600])
+def test_packed_bf16_linear_is_bit_identical_to_f_linear(rows):
+    layer, weight = _bf16_linear(384, 640, seed=rows)
+    assert isinstance(layer.packed, PackedWeight)
+    x = torch.randn(rows, 640).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, weight))
+
+
+@needs_packing
+def test_loading_again_repacks_the_new_weight():
+    layer, _ = _bf16_linear(96, 64, seed=0)
+    first = layer.packed
+    other = torch.randn(96, 64).bfloat16()
+    layer.load_state_dict({"weight": other})
+    assert layer.packed is not first
+    x = torch.randn(4, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, other))
+
+
+@needs_packing
+def test_tied_head_projects_through_the_pack_and_looks_up_the_plain_table():
+    torch.manual_seed(1)
+    table = torch.randn(1000, 64).bfloat16()
+    emb = Embedding(1000, 64).bfloat16()
+    emb.load_state_dict({"weight": table})
+    assert emb.packed is not None
+    x = torch.randn(3, 64).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(emb.attend(x), F.linear(x, table))
+        assert torch.equal(emb(torch.tensor([0, 999, 5])), table[[0, 999, 5]])
+
+
+def test_float32_and_gradients_take_the_plain_path():
+    torch.manual_seed(2)
+    layer = Linear(64, 32)
+    layer.load_state_dict({"weight": torch.randn(32, 64)})
+    assert layer.packed is None  # float32 stays on the kernel transformers uses (token-exact oracle)
+    if linear_module.PACKING:
+        bf = Linear(64, 32).bfloat16()
+        bf.load_state_dict({"weight": torch.randn(32, 64).bfloat16()})
+        x = torch.randn(2, 64).bfloat16().requires_grad_()
+        out = bf(x)  # grad enabled: the pack is not differentiable, F.linear is
+        out.sum().backward()
+        assert x.grad is not None and x.grad.shape == x.shape
