@@ -9,8 +9,10 @@ Two paths, chosen by the number of rows:
   model's dtype (the output comes back in it). On CPU the kernel is vectorised for 16-bit activations only:
   with float32 inputs it ran 2-10x slower than a float32 matmul on an AVX2 core, with bfloat16 inputs 1.5-4x
   faster (a 4096 x 640 weight, 1 to 32 rows).
-- More (prefill): the weight dequantised to float32 on the fly and a float32 matmul, faster there than the
-  kernel, whose cost grows with the rows faster than a GEMM's (at 256 rows: 20 ms against 33 ms).
+- More (prefill): the weight dequantised on the fly and a dense matmul, faster there than the kernel, whose
+  cost grows with the rows faster than a GEMM's (at 256 rows: 20 ms against 33 ms). The dense matmul runs in
+  bfloat16 when the activations are bfloat16 and the CPU has bfloat16 units (AVX512-BF16 or AMX: 2-3x a
+  float32 GEMM at prefill sizes), else in float32 (see `runtime/layers/linear.py`).
 
 Quantisation happens while a checkpoint is loaded: a `weight` entry of the state dict (float, of any
 precision; the loader hands float32) is replaced by `weight_int8` and `scales` (float32) before the module
@@ -25,6 +27,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from runtime.layers.linear import CPU_HAS_BF16_UNITS
 
 INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as the int8 kernel takes them
@@ -42,6 +46,11 @@ def kernel_path_only() -> Iterator[None]:
         yield
     finally:
         _dequant_min_rows = previous
+
+
+def _dense_in_own_dtype(x: torch.Tensor) -> bool:
+    """Whether a dense matmul in x's dtype is fast: always but for bfloat16 on a CPU without bfloat16 units."""
+    return x.dtype != torch.bfloat16 or x.device.type != "cpu" or CPU_HAS_BF16_UNITS
 
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +77,8 @@ class _Int8Rows(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # (..., cols) -> (..., rows)
         x2 = x.reshape(-1, x.shape[-1])  # (N, cols)
         if x2.shape[0] >= _dequant_min_rows:
-            out = F.linear(x2.float(), self.weight_int8.float() * self.scales[:, None])
+            dense = x2.dtype if _dense_in_own_dtype(x2) else torch.float32
+            out = F.linear(x2.to(dense), self.weight_int8.to(dense) * self.scales.to(dense)[:, None])
         else:
             out = torch.ops.aten._weight_int8pack_mm(x2.to(KERNEL_DTYPE), self.weight_int8, self.kernel_scales)
         return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
