@@ -21,14 +21,19 @@ class SamplingError(ValueError):
 def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None) -> list[int]:
     """One token per row of `logits` (B, vocab), each row with its own parameters."""
     logits = logits.float()
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1) | torch.isneginf(logits).all(-1)  # (B,)
+    # One pass over (B, vocab) does both jobs: a row's maximum is NaN if any logit is NaN (max propagates
+    # NaN), +inf if one is +inf, -inf if all are; and its index is the greedy token (the first maximal one,
+    # as argmax picks).
+    top, greedy = logits.max(-1)  # (B,), (B,)
+    bad = ~torch.isfinite(top)
     if bool(bad.any()):
         rows = bad.nonzero().flatten().tolist()
         raise SamplingError(f"non-finite logits in row(s) {rows} of {logits.shape[0]}: nothing to sample from")
+    greedy = greedy.tolist()
     out = []
-    for row, p in zip(logits, params):
+    for i, (row, p) in enumerate(zip(logits, params)):
         if p.temperature == 0.0:
-            out.append(int(row.argmax()))
+            out.append(greedy[i])
             continue
         # float64: a temperature below float32's smallest subnormal (e.g. 5e-324) would round to 0 there
         row = (row.double() - row.max()) / p.temperature  # <= 0, the top token at exactly 0; others may be -inf

@@ -121,3 +121,21 @@ def test_sampler_rejects_nan_rows_and_keeps_tiny_temperatures_finite():
     logits[1, 3] = float("nan")
     with pytest.raises(SamplingError, match=r"row\(s\) \[1\] of 3"):
         sample(logits, [SamplingParams()] * 3, gen)
+
+
+def test_sampler_finds_every_kind_of_bad_row_and_breaks_greedy_ties_as_argmax():
+    from runtime.layers.sampler import SamplingError, sample
+
+    inf = float("inf")
+    logits = torch.randn(6, 40)
+    logits[0, 7] = float("nan")
+    logits[1, 2] = inf  # +inf: no distribution
+    logits[2] = -inf  # nothing left to draw
+    logits[3, :30] = -inf  # some -inf is a mask, not a failure
+    logits[4, [5, 9]] = 50.0  # a tie: the first maximal index, as argmax
+    logits[5, 0] = -inf
+    with pytest.raises(SamplingError, match=r"row\(s\) \[0, 1, 2\] of 6"):
+        sample(logits, [SamplingParams()] * 6)
+    good = logits[3:]
+    assert sample(good, [SamplingParams()] * 3) == good.argmax(-1).tolist()
+    assert sample(good, [SamplingParams()] * 3)[1] == 5
