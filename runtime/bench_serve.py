@@ -2,8 +2,9 @@
 
 Starts `swa-runtime serve` (with the engine options given) as a subprocess on loopback and sends the same
 synthetic prompts through `POST /v1/completions` (streaming, greedy, EOS ignored) at each concurrency; then
-runs transformers `generate` on the same prompts as static batches in float32 and bfloat16, the offline
-engine at concurrency 1 (what the server adds), and any OpenAI-compatible server given with `--peer URL`.
+runs transformers `generate` on the same prompts as static batches in float32 and bfloat16, and any
+OpenAI-compatible server given with `--peer URL`. At concurrency 1 the server alternates request by request
+with the engine run in this process (what the server adds).
 While one stream runs alone, another client sends a body of `--stall-body-mb` MB: the stream's longest
 inter-token gap over its median says whether the front end stalls the engine. Nothing is asserted on time.
 """
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 import httpx
 
 HEADERS = {"Content-Type": "application/json"}
+WARMUP_TOKENS = 4
 
 
 @dataclass
@@ -77,28 +79,43 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], gen_len: int,
                   wave: Wave, gaps: list[float] | None = None) -> None:
+    """One streamed request. Times each chunk that carries text (a chunk usually carries one token; a server
+    may hold back a partial character or merge tokens), and counts the tokens the server says it generated
+    (`usage` of the last chunk; `gen_len` where a server sends none)."""
     body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0, "stream": True,
             "ignore_eos": True}
     start = last = time.perf_counter()
-    first = True
+    first, generated = True, gen_len
     async with client.stream("POST", url + "/v1/completions", headers=HEADERS, json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):
                 continue
+            chunk = json.loads(line[len("data: "):])
+            generated = (chunk.get("usage") or {}).get("completion_tokens", generated)
+            if _closing_chunk(chunk):
+                continue
             now = time.perf_counter()
             (wave.ttft if first else wave.itl).append(now - (start if first else last))
             if gaps is not None and not first:
                 gaps.append(now - last)
             first, last = False, now
-    wave.tokens += gen_len  # EOS ignored: every request generates exactly max_tokens
+    wave.tokens += generated
+
+
+def _closing_chunk(chunk: dict) -> bool:
+    """A chunk that only carries the finish reason (some servers send one after the last token): no token."""
+    choices = chunk.get("choices") or [{}]
+    return all(c.get("finish_reason") and not c.get("text") for c in choices)
 
 
 async def _wave(url: str, model: str, prompts: list[list[int]], concurrency: int, gen_len: int, system: str) -> Wave:
     wave = Wave(system, concurrency)
     sem = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=concurrency + 4)) as client:
+    # A new connection per request: some servers (llama.cpp's) drop a kept-alive connection between requests.
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=None, limits=limits) as client:
         async def one(prompt):
             async with sem:
                 await _stream(client, url, model, prompt, gen_len, wave)
@@ -134,20 +151,33 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] * 1e3
 
 
-def _offline(cfg, prompts: list[list[int]], gen_len: int) -> Wave:
-    """The engine in this process, one request at a time: what the server is held against at c=1."""
+def _offline_engine(cfg, warmup: list[int]):
+    """The engine in this process (idle while the server is measured), warmed up like the server."""
     from runtime.core import SamplingParams
     from runtime.engine import Engine
 
     engine = Engine(cfg, progress=False)
-    engine.generate([prompts[0][:16]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm-up
-    wave = Wave("offline engine", 1)
-    start = time.perf_counter()
+    engine.generate([warmup], SamplingParams(max_new_tokens=WARMUP_TOKENS, ignore_eos=True))
+    return engine
+
+
+def _paired_c1(url: str, model: str, engine, prompts: list[list[int]], gen_len: int) -> tuple[Wave, Wave]:
+    """c=1 through the server and through the offline engine, request by request alternately, so that load
+    drifting over the minutes of a run (this machine's noise) falls on both sides alike."""
+    from runtime.core import SamplingParams
+
+    served, offline = Wave("swa-runtime serve", 1), Wave("offline engine", 1)
     for p in prompts:
+        w = asyncio.run(_wave(url, model, [p], 1, gen_len, served.system))
+        served.seconds += w.seconds
+        served.tokens += w.tokens
+        served.ttft += w.ttft
+        served.itl += w.itl
+        start = time.perf_counter()
         engine.generate([p], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
-        wave.tokens += gen_len
-    wave.seconds = time.perf_counter() - start
-    return wave
+        offline.seconds += time.perf_counter() - start
+        offline.tokens += gen_len
+    return served, offline
 
 
 def _transformers(cfg, dtype: str, prompts: list[list[int]], batch: int, gen_len: int) -> Wave:
@@ -172,27 +202,40 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     source = resolve_model(cfg.model)
     vocab = 260 if source.kind == "tiny" else 262144
     prompts = {c: synthetic_prompts(max(c, args.min_requests), args.prompt_len, vocab, 2, cfg.seed) for c in levels}
+    # A prompt of its own: warming up on a measured prompt would leave it in the server's prefix cache.
+    warmup = synthetic_prompts(1, args.prompt_len, vocab, 2, cfg.seed + 1)[0]
     waves: list[Wave] = []
+    offline = None
+    engine = _offline_engine(cfg, warmup) if 1 in levels else None
     proc, url = start_server(engine_args)
     try:
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-        asyncio.run(_wave(url, name, prompts[levels[0]][:1], 1, 4, "warm-up"))
+        asyncio.run(_wave(url, name, [warmup], 1, WARMUP_TOKENS, "warm-up"))
         for c in levels:
-            waves.append(asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve")))
+            if c == 1:
+                served, offline = _paired_c1(url, name, engine, prompts[1], args.gen_len)
+                waves.append(served)
+            else:
+                waves.append(asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve")))
         stall = asyncio.run(_stall(url, name, prompts[1][0], max(args.gen_len, 32), args.stall_body_mb))
     finally:
         stop_server(proc)
+    failures = []
     if args.peer:
         for c in levels:
-            waves.append(asyncio.run(_wave(args.peer, args.peer_model, prompts[c], c, args.gen_len, "peer")))
-    if 1 in levels:
-        waves.append(_offline(cfg, prompts[1], args.gen_len))
+            try:
+                waves.append(asyncio.run(_wave(args.peer, args.peer_model, prompts[c], c, args.gen_len, "peer")))
+            except (httpx.HTTPError, RuntimeError) as exc:  # the peer's failure costs its row, not the run
+                failures.append(f"peer at c={c} failed: {type(exc).__name__}: {exc}")
+    del engine
+    if offline is not None:
+        waves.append(offline)
     if not args.skip_transformers:
         for dtype in ("float32", "bfloat16"):
             for c in levels:
                 if c <= args.transformers_max_batch:
                     waves.append(_transformers(cfg, dtype, prompts[c], c, args.gen_len))
-    print(format_serve_report(waves, stall, args))
+    print("\n".join([format_serve_report(waves, stall, args), *failures]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"waves": [vars(w) | {"tok_s": w.tok_s} for w in waves], "stall": stall}, f, indent=1)
