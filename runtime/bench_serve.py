@@ -105,9 +105,9 @@ async def _stream(client: httpx.AsyncClient, url: str, model: str, prompt: list[
 
 
 def _closing_chunk(chunk: dict) -> bool:
-    """A chunk that only carries the finish reason (some servers send one after the last token): no token."""
-    choices = chunk.get("choices") or [{}]
-    return all(c.get("finish_reason") and not c.get("text") for c in choices)
+    """A chunk without a token: one that only carries the finish reason (some servers send it after the last
+    token), or only the usage (`choices` empty, as with OpenAI's `stream_options.include_usage`)."""
+    return all(c.get("finish_reason") and not c.get("text") for c in chunk.get("choices") or [])
 
 
 async def _wave(url: str, model: str, prompts: list[list[int]], concurrency: int, gen_len: int, system: str) -> Wave:

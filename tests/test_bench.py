@@ -162,3 +162,12 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
     assert "the server at c=1 vs the offline engine" in out and "failed" not in out
     stall = report["stall"]  # the intruder's prompt outgrows the tiny model's context: refused, not parsed
     assert stall["body_status"] == 400 and stall["max_gap_ms"] >= stall["median_gap_ms"] > 0
+
+
+def test_chunks_without_a_token_are_not_timed():
+    from runtime.bench_serve import _closing_chunk
+
+    assert _closing_chunk({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})  # llama.cpp's last
+    assert _closing_chunk({"choices": [], "usage": {"completion_tokens": 5}})  # a usage-only chunk
+    assert not _closing_chunk({"choices": [{"text": "a", "finish_reason": "length"}]})  # last token + reason
+    assert not _closing_chunk({"choices": [{"text": "", "finish_reason": None}]})  # a held-back token
