@@ -14,8 +14,9 @@ gathers the facts for them.
 - `per_forward`, `off`: no entry; every call gathers (`per_forward` is called once per forward by the backend).
 
 Every policy checks at the end of each forward that the mapping still equals what the allocator's hooked
-mutations wrote (`MappingRecord`): a write by any other path is reported once as `stale_loc`, "mapping
-changed outside every hooked mutation", in the forward where it was found.
+mutations wrote (`MappingRecord.audit`: the rows the forward translated, and a stripe of the rest in turn):
+a write by any other path is reported once as `stale_loc`, "mapping changed outside every hooked mutation",
+in the forward where it was found.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from runtime.mem_cache.mapping_record import MappingRecord, tensor_version
+from runtime.mem_cache.mapping_record import Finding, MappingRecord, tensor_version
 from telemetry.events import KeyChangeEvent, LookupFacts, caller_stack, classify_lookup
 from telemetry.stats import TranslationStats
 
@@ -74,7 +75,10 @@ class Translator:
         self.forward_id = 0
         self.mode = "none"
         self._last_site = "other"  # the latest translate site, to attribute a mapping change found later
-        self._clean_through = 0  # the latest forward at whose end the mapping matched its record
+        # Copies of the location tensors this forward translated (each distinct tensor once): the mapping rows
+        # the end-of-forward audit must compare. Copies, not the tensors: holding a temporary would keep its
+        # address from being handed out again, and address reuse is one of the bugs the guard reports.
+        self._translated: dict[tuple[int, int, int], torch.Tensor] = {}  # (address, length, version) -> copy
 
     def begin_forward(self, forward_id: int, mode: str) -> None:
         self.forward_id, self.mode = forward_id, mode
@@ -82,23 +86,34 @@ class Translator:
     def end_forward(self) -> None:
         """The forward is over: any mapping write outside the hooked mutations is reported now."""
         if self.reporter is not None and self.forward_id:
-            self.check_mapping_ownership()
-            self._clean_through = self.forward_id
+            rows = torch.cat(list(self._translated.values())) if self._translated else None
+            self.check_mapping_ownership(rows=rows)
+        self._translated.clear()
         self.forward_id, self.mode = 0, "none"
 
-    def check_mapping_ownership(self, site: str | None = None, entry: "_Entry | None" = None) -> bool:
-        """Report (once) a mapping that differs from what the hooked mutations wrote; True if it did."""
+    def note_translated(self, loc: torch.Tensor) -> None:
+        """Remember `loc`'s rows for the end-of-forward audit (once per distinct tensor and contents)."""
+        if self.reporter is None or not self.forward_id:
+            return
+        key = (loc.data_ptr(), loc.numel(), tensor_version(loc))
+        if key not in self._translated:
+            # remainder: the rows as index_select takes them (-1, padding, is the sentinel row); also the copy
+            self._translated[key] = loc.reshape(-1).remainder(self.source.full_to_swa_index_mapping.numel())
+
+    def check_mapping_ownership(self, site: str | None = None, entry: "_Entry | None" = None,
+                                rows: torch.Tensor | None = None, stripe: bool = True) -> bool:
+        """Audit the mapping (`MappingRecord.audit`: `rows` and a stripe by content); report (once) a difference
+        from what the hooked mutations wrote. True if there was one."""
         src = self.source
-        change = src.record.unhooked_rows(src.full_to_swa_index_mapping)
-        if change is None:
+        finding = src.record.audit(src.full_to_swa_index_mapping, self.forward_id, rows, stripe)
+        if finding is None:
             return False
-        self._report("stale_loc", site or self._last_site, entry, (), self.unhooked_cause(change))
-        src.record.adopt(src.full_to_swa_index_mapping)  # reported; from here on it is the mapping
+        self._report("stale_loc", site or self._last_site, entry, (), self.unhooked_cause(finding))
         return True
 
-    def unhooked_cause(self, change: str) -> str:
-        where = f"after forward {self._clean_through} ended" if self._clean_through else "since start-up"
-        return (f"mapping changed outside every hooked mutation: {change}; written {where}, by forward "
+    def unhooked_cause(self, finding: Finding) -> str:
+        where = f"after forward {finding.clean_through} ended" if finding.clean_through else "since start-up"
+        return (f"mapping changed outside every hooked mutation: {finding.change}; written {where}, by forward "
                 f"{self.forward_id} ({self.mode}); last hooked mutation: {self.source.last_mutation or 'none'}")
 
     def translate(self, loc: torch.Tensor, site: str, layer_pos: int = 0) -> torch.Tensor:
@@ -111,6 +126,7 @@ class Translator:
 
     def gather(self, loc: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """One gather through the mapping; int32 out. The only place translations are executed."""
+        self.note_translated(loc)
         if not checked:
             self.check(loc)
         self.stats.translations()
@@ -201,10 +217,11 @@ class _CachingTranslator(Translator):
             parts.append("loc buffer rewritten in place")
         src = self.source
         if entry.mapping is not src.full_to_swa_index_mapping or entry.guard[1:] != guard[1:]:
-            change = src.record.unhooked_change(src.full_to_swa_index_mapping)
-            if change is not None:
-                parts.append(self.unhooked_cause(change))
-                src.record.adopt(src.full_to_swa_index_mapping)
+            finding = None
+            if src.record.unhooked_change(src.full_to_swa_index_mapping) is not None:
+                finding = src.record.audit(src.full_to_swa_index_mapping, self.forward_id, stripe=False)
+            if finding is not None:
+                parts.append(self.unhooked_cause(finding))
             else:
                 parts.append(f"mapping changed at {src.last_mutation or 'unknown site'}")
         return "; ".join(parts) or "unknown"
@@ -222,6 +239,7 @@ class _CachingTranslator(Translator):
         return value
 
     def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple, filler: weakref.ref | None) -> torch.Tensor:
+        self.note_translated(loc)
         forward_id, mode = self.forward_id, self.mode
         self._last_site = site
         entry = self._entry
@@ -267,7 +285,8 @@ class _CachingTranslator(Translator):
                 self._hits_since_verify = 0
                 fresh = self.gather(loc)
                 if not torch.equal(fresh, entry.value):
-                    if not self.check_mapping_ownership(site, entry):
+                    rows = loc.reshape(-1).remainder(self.source.full_to_swa_index_mapping.numel())
+                    if not self.check_mapping_ownership(site, entry, rows=rows, stripe=False):
                         self._report("stale_loc", site, entry, entry.key, f"verification mismatch ({UNSEEN_WRITE})")
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from runtime.faults import Faults
+from runtime.mem_cache.mapping_record import STRIPE_ROWS
 
 SLIDING = 3
 
@@ -432,3 +433,62 @@ def test_uncached_policies_report_an_unhooked_mapping_write_at_their_own_transla
     (event,) = pool.reporter.first_events()
     assert (event.classification, event.site, event.forward_id) == ("stale_loc", site, 3)
     assert event.cause.startswith("mapping changed outside every hooked mutation: a write no version counter sees")
+
+
+# ---- the end-of-forward audit on a mapping larger than one stripe ------------------------------------------
+STRIPES = 4  # a mapping of exactly four stripes
+
+
+def _big_pool(make_pool, policy="memo"):
+    return make_pool(policy, full_size=STRIPES * STRIPE_ROWS - 2, swa_size=64)  # + slot 0 and the sentinel
+
+
+@pytest.mark.parametrize("policy", ["memo", "layerwise", "per_forward"])
+def test_an_unseen_write_to_rows_a_forward_translates_is_found_in_that_forward(make_pool, policy):
+    pool = _big_pool(make_pool, policy)
+    loc = pool.allocator.alloc(4)
+    site = "attn_metadata" if policy == "per_forward" else "kv_write"
+    for forward_id in (1, 2):
+        with fwd(pool, forward_id):
+            pool.invalidate_loc_cache("forward_entry")
+            pool.translate_loc_from_full_to_swa(loc, site, 0)
+            if forward_id == 2:
+                _numpy_write(pool.allocator, loc, pool.allocator.swa.alloc(4))
+    (event,) = pool.reporter.first_events()
+    assert event.forward_id == 2 and f"first at full slot {int(loc.min())}" in event.cause, event.cause
+    assert "written after forward 1 ended, by forward 2" in event.cause, event.cause
+
+
+def test_an_unseen_write_to_rows_nobody_translates_is_found_within_one_round_of_stripes(make_pool):
+    pool = _big_pool(make_pool)
+    mapping = pool.allocator.full_to_swa_index_mapping
+    assert mapping.numel() == STRIPES * STRIPE_ROWS
+    row = 3 * STRIPE_ROWS + 17  # in the last stripe, never translated
+    loc = pool.allocator.alloc(4)
+    found_at = None
+    for forward_id in range(1, 2 * STRIPES + 1):
+        with fwd(pool, forward_id):
+            pool.invalidate_loc_cache("forward_entry")
+            pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
+            if forward_id == STRIPES + 1:  # the last stripe was checked clean at the end of forward STRIPES
+                mapping.numpy()[row] = 5
+        if found_at is None and pool.reporter.first_events():
+            found_at = forward_id
+    assert sum(events(pool).values()) == 1  # once, then adopted
+    (event,) = pool.reporter.first_events()
+    assert found_at == event.forward_id == 2 * STRIPES  # the next time its stripe came round
+    assert f"1 row(s) differ from what the hooked mutations wrote, first at full slot {row}" in event.cause
+    assert f"written after forward {STRIPES} ended, by forward {2 * STRIPES}" in event.cause, event.cause
+
+
+def test_a_write_that_moves_the_version_counter_is_compared_whole_at_once(make_pool):
+    pool = _big_pool(make_pool)
+    loc = pool.allocator.alloc(4)
+    with fwd(pool, 1):
+        pool.invalidate_loc_cache("forward_entry")
+        pool.translate_loc_from_full_to_swa(loc, "kv_write", 0)
+        pool.allocator.full_to_swa_index_mapping[[5, 3 * STRIPE_ROWS + 1]] = 7  # torch: the counter moves
+    (event,) = pool.reporter.first_events()
+    assert event.forward_id == 1
+    assert "written in place (its version counter moved); 2 row(s) differ" in event.cause, event.cause
+    assert "first at full slot 5" in event.cause

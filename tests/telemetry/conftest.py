@@ -4,9 +4,10 @@ import logging
 
 import pytest
 import structlog
-from structlog.contextvars import clear_contextvars, merge_contextvars
+from structlog.contextvars import clear_contextvars
 
 from telemetry.collector import make_registry
+from telemetry.logging import CONTEXT_PROCESSORS, clear_forward
 from telemetry.stats import EngineStats
 
 
@@ -14,9 +15,11 @@ from telemetry.stats import EngineStats
 def _reset_structlog():
     structlog.reset_defaults()
     clear_contextvars()
+    clear_forward()
     yield
     structlog.reset_defaults()
     clear_contextvars()
+    clear_forward()
 
 
 class FixedGauges:
@@ -49,7 +52,7 @@ def registry(stats):
 
 
 class CaptureProcessor:
-    """Records each event dict as the renderer would see it (after merge_contextvars), then drops it."""
+    """Records each event dict as the renderer would see it (after the context processors), then drops it."""
 
     def __init__(self):
         self.records: list[dict] = []
@@ -66,7 +69,7 @@ def capture_logs_at():
     def configure(level: int = logging.DEBUG) -> CaptureProcessor:
         capture = CaptureProcessor()
         structlog.configure(
-            processors=[merge_contextvars, structlog.processors.add_log_level, capture],
+            processors=[*CONTEXT_PROCESSORS, structlog.processors.add_log_level, capture],
             wrapper_class=structlog.make_filtering_bound_logger(level),
             cache_logger_on_first_use=False,
         )
