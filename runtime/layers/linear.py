@@ -56,10 +56,11 @@ class PackedWeight:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:
     """`x @ weight^T`, through `packed` (the same weight, prepacked) when given and x is a 2-D CPU tensor in
-    its dtype (a model moved after loading falls back to `weight`); see the module docstring for bfloat16 on
-    CPUs without bfloat16 units."""
+    its dtype (a model moved after loading falls back to `weight`; so does code being compiled, which
+    torch's compiler cannot lower the prepacked op in); see the module docstring for bfloat16 on CPUs
+    without bfloat16 units."""
     if (packed is not None and x.dtype == packed.dtype and x.dim() == 2 and x.device.type == "cpu"
-            and not torch.is_grad_enabled()):
+            and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
         return packed.matmul(x)
     if (x.dtype == torch.bfloat16 and not CPU_HAS_BF16_UNITS and x.device.type == "cpu"
             and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1]):

@@ -67,3 +67,14 @@ def test_float32_and_gradients_take_the_plain_path():
         out = bf(x)  # grad enabled: the pack is not differentiable, F.linear is
         out.sum().backward()
         assert x.grad is not None and x.grad.shape == x.shape
+
+
+@needs_packing
+def test_code_being_compiled_takes_the_plain_path():
+    """`--compile-decode` compiles the layers' math: torch's compiler cannot lower the prepacked op, so a
+    packed layer must fall back to its weight there (it crashed the compile before)."""
+    layer, weight = _bf16_linear(96, 64, seed=3)
+    compiled = torch.compile(layer, dynamic=True)
+    x = torch.randn(5, 64).bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), F.linear(x, weight), rtol=1e-2, atol=1e-2)
