@@ -239,7 +239,6 @@ class _CachingTranslator(Translator):
         return value
 
     def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple, filler: weakref.ref | None) -> torch.Tensor:
-        self.note_translated(loc)
         forward_id, mode = self.forward_id, self.mode
         self._last_site = site
         entry = self._entry
@@ -254,8 +253,9 @@ class _CachingTranslator(Translator):
             and entry.mapping is self.source.full_to_swa_index_mapping
             and (entry.filler is None or entry.filler() is loc)
             and torch.equal(loc, entry.snapshot)
-        ):
+        ):  # the rows are the snapshot's, noted for the audit when this forward filled the entry
             return self._hit(loc, entry, site, mode)
+        self.note_translated(loc)
         self.check(loc)
         same_key = entry is not None and entry.key == key
         facts = LookupFacts(
