@@ -24,7 +24,7 @@ from torch import nn
 from runtime.layers.activation import gelu_tanh_and_mul
 from runtime.layers.attention import Attention
 from runtime.layers.linear import Embedding, Linear
-from runtime.layers.norm import RMSNorm, rms_norm
+from runtime.layers.norm import RMSNorm, rms_norm_scaled
 from runtime.layers.quantized import Int8Embedding, Int8Linear
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.models.config import Gemma3Config
@@ -78,6 +78,7 @@ class Gemma3Attention(nn.Module):
         # NOTE: shared with other layers of the same kind; kept out of the module tree (a plain attribute
         # in a tuple) so it is neither listed once per layer nor part of the state dict.
         self._rotary = (rotary,)
+        self._qk_scale_of: tuple | None = None  # (q scale, k scale, the two stacked per head)
         self.attn = Attention(
             layer_id=layer_id,
             num_heads=self.num_heads,
@@ -98,10 +99,18 @@ class Gemma3Attention(nn.Module):
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q heads, then k heads
         # One norm and one rotation for all q and k heads; each head keeps its own norm weight.
-        weight = torch.cat((self.q_norm.weight.expand(H, D), self.k_norm.weight.expand(Hkv, D)))  # (H+Hkv, D)
-        qk = apply_rotary(rms_norm(qk, weight, self.q_norm.eps), cos, sin)  # (T, H+Hkv, D)
+        qk = apply_rotary(rms_norm_scaled(qk, self._qk_scale(), self.q_norm.eps), cos, sin)  # (T, H+Hkv, D)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         return qk[:, :H], qk[:, H:], v
+
+    def _qk_scale(self) -> torch.Tensor:
+        """The q heads' and k heads' `1 + w` stacked (H + Hkv, D), float32; rebuilt when either norm's is."""
+        q, k = self.q_norm.scale(), self.k_norm.scale()
+        if torch.compiler.is_compiling():
+            return torch.cat((q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)))
+        if self._qk_scale_of is None or self._qk_scale_of[0] is not q or self._qk_scale_of[1] is not k:
+            self._qk_scale_of = (q, k, torch.cat((q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1))))
+        return self._qk_scale_of[2]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, hidden)
         return self.o_proj(self.attn(*self.project(x, cos, sin)))  # (T, H*D) -> (T, hidden)

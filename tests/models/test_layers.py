@@ -27,6 +27,27 @@ def test_rmsnorm_applies_one_plus_weight_like_transformers(dtype):
     torch.testing.assert_close(got.float(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-5)
 
 
+def test_rmsnorm_follows_every_change_of_its_weight():
+    """`1 + w` is cached between calls: a load, an in-place edit, a dtype change must each be seen."""
+    torch.manual_seed(1)
+    norm, ref = RMSNorm(32), Gemma3RMSNorm(32)
+    x = torch.randn(3, 32)
+
+    def same() -> bool:
+        with torch.no_grad():
+            ref.weight.copy_(norm.weight.float())
+        return torch.equal(norm(x.to(norm.weight.dtype)), ref.to(norm.weight.dtype)(x.to(norm.weight.dtype)))
+
+    norm(x)  # fills the cache with the zero weight
+    norm.load_state_dict({"weight": torch.randn(32)})
+    assert same()
+    with torch.no_grad():
+        norm.weight.mul_(2.0)
+    assert same()
+    norm.bfloat16()
+    assert same()
+
+
 def test_zero_weight_rmsnorm_is_plain_normalisation():
     y = RMSNorm(16)(torch.full((2, 16), 3.0))
     torch.testing.assert_close(y, torch.ones(2, 16), rtol=1e-5, atol=1e-5)
