@@ -2,8 +2,9 @@
 
 Forward id and mode live in a context variable (`bind_forward`), so every record made during a forward carries
 them without threading them through the call chain. It is one variable holding a tuple, set twice per forward:
-structlog's `bind_contextvars` costs tens of microseconds per forward, on the hot path, for records that are rare. Bug-class events are logged at WARNING, rate-limited per
-(site, classification) with suppressed repeats counted; benign ones are counted and logged at debug.
+structlog's `bind_contextvars` costs tens of microseconds per forward, on the hot path, for records that are
+rare. Bug-class events are logged at WARNING, rate-limited per (site, classification) with suppressed repeats
+counted; benign ones are counted and logged at debug.
 """
 
 from __future__ import annotations

@@ -45,7 +45,11 @@ class RMSNorm(nn.Module):
         w = self.weight
         if torch.compiler.is_compiling():
             return 1.0 + w.float()
-        of = (w.data_ptr(), w._version, w.dtype, w.device)
+        try:
+            version = w._version
+        except RuntimeError:  # a weight made under inference_mode tracks no version: never cache it
+            return 1.0 + w.float()
+        of = (w.data_ptr(), version, w.dtype, w.device)
         if of != self._scale_of:
             with torch.no_grad():
                 self._scale = 1.0 + w.float()
