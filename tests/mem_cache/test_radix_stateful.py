@@ -201,7 +201,9 @@ class RadixMachine(RuleBasedStateMachine):
         locs = self.slots.load_back(kv)
         if locs is None:
             return
-        self.parked.remove((ids, kv))
+        # by identity: list.remove compares with ==, and two parked entries with the same ids would compare
+        # their KV tensors (an ambiguous truth value)
+        self.parked = [p for p in self.parked if p[1] is not kv]
         self._check_kv(ids, locs, kv.swa_from)
         self.running.append(Running(ids, locs, None, kv.swa_from))
 
