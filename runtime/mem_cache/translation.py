@@ -97,8 +97,12 @@ class Translator:
             return
         key = (loc.data_ptr(), loc.numel(), tensor_version(loc))
         if key not in self._translated:
-            # remainder: the rows as index_select takes them (-1, padding, is the sentinel row); also the copy
-            self._translated[key] = loc.reshape(-1).remainder(self.source.full_to_swa_index_mapping.numel())
+            self._translated[key] = self._rows_of(loc)
+
+    def _rows_of(self, loc: torch.Tensor) -> torch.Tensor:
+        """A copy of `loc` as the mapping rows the audit compares (-1, padding, is the sentinel row: index_select
+        takes no negative index)."""
+        return loc.reshape(-1).remainder(self.source.full_to_swa_index_mapping.numel())
 
     def check_mapping_ownership(self, site: str | None = None, entry: "_Entry | None" = None,
                                 rows: torch.Tensor | None = None, stripe: bool = True) -> bool:
@@ -285,8 +289,7 @@ class _CachingTranslator(Translator):
                 self._hits_since_verify = 0
                 fresh = self.gather(loc)
                 if not torch.equal(fresh, entry.value):
-                    rows = loc.reshape(-1).remainder(self.source.full_to_swa_index_mapping.numel())
-                    if not self.check_mapping_ownership(site, entry, rows=rows, stripe=False):
+                    if not self.check_mapping_ownership(site, entry, rows=self._rows_of(loc), stripe=False):
                         self._report("stale_loc", site, entry, entry.key, f"verification mismatch ({UNSEEN_WRITE})")
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.

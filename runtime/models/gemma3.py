@@ -106,11 +106,13 @@ class Gemma3Attention(nn.Module):
     def _qk_scale(self) -> torch.Tensor:
         """The q heads' and k heads' `1 + w` stacked (H + Hkv, D), float32; rebuilt when either norm's is."""
         q, k = self.q_norm.scale(), self.k_norm.scale()
-        if torch.compiler.is_compiling():
-            return torch.cat((q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)))
-        if self._qk_scale_of is None or self._qk_scale_of[0] is not q or self._qk_scale_of[1] is not k:
-            self._qk_scale_of = (q, k, torch.cat((q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1))))
-        return self._qk_scale_of[2]
+        cached = self._qk_scale_of
+        if cached is not None and cached[0] is q and cached[1] is k:
+            return cached[2]
+        stacked = torch.cat((q.expand(self.num_heads, -1), k.expand(self.num_kv_heads, -1)))
+        if not torch.compiler.is_compiling():
+            self._qk_scale_of = (q, k, stacked)
+        return stacked
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, hidden)
         return self.o_proj(self.attn(*self.project(x, cos, sin)))  # (T, H*D) -> (T, hidden)
