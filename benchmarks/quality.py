@@ -1,6 +1,7 @@
 """What each dtype and weight format costs in quality, against transformers on the same weights, in one run.
 
-For every variant of this runtime (float32, bfloat16, int8 weights with float32 or bfloat16 activations),
+For every variant of this runtime (float32, bfloat16, int8 weights with float32 or bfloat16 activations,
+bfloat16 with an int8 LM head),
 printed side by side with transformers in float32 and bfloat16:
 
 1. Perplexity of a fixed English paragraph (teacher-forced, one forward over the whole text), and its
@@ -19,8 +20,9 @@ Attention in (1) and (2) is a dense single-sequence backend (causal, windowed on
 as the runtime's torch backend computes it); the weights and the model's arithmetic are what is measured
 there, the runtime's KV path is what (3) adds. int8 matmuls take one of two paths by row count (see
 `runtime/layers/quantized.py`): a whole-text forward takes the prefill path (weights dequantised to
-float32); the decode path (the int8 kernel, activations rounded to bfloat16) is scored too, on the same
-forward under `kernel_path_only()`.
+float32; an int8 LM head: the float weight); the decode path (the int8 kernel, activations rounded to
+bfloat16; the int8 head on one position at a time) is scored too, on the same forward under
+`kernel_path_only()`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ REFERENCE_TEXT = (
 )
 
 # (activation dtype, weight format) of each variant of this runtime
-VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"))
+VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", "int8-head"))
 
 
 # ---- teacher-forced scoring ------------------------------------------------------------------------------
@@ -76,7 +78,8 @@ class SequenceAttention:
 
 def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tensor:
     """(T, vocab) float32 logits of this runtime's `model` at every position of `ids`, in one forward;
-    `decode_path`: int8 matmuls through the kernel that decode uses."""
+    `decode_path`: int8 matmuls through the kernel that decode uses, and the logits one position at a time
+    (as a batch-1 decode step computes them: an int8 LM head quantises its input per call)."""
     from contextlib import nullcontext
 
     from runtime.context import ForwardContext, forward_context
@@ -85,7 +88,10 @@ def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tens
     ids_t = torch.tensor(ids, device=model.device)
     ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=SequenceAttention())
     with torch.no_grad(), forward_context(ctx, bind_logging=False), (kernel_path_only() if decode_path else nullcontext()):
-        return model.compute_logits(model(ids_t, torch.arange(len(ids), device=ids_t.device)))
+        hidden = model(ids_t, torch.arange(len(ids), device=ids_t.device))
+        if not decode_path:
+            return model.compute_logits(hidden)
+        return torch.cat([model.compute_logits(row) for row in hidden.split(1)])
 
 
 def hf_logits(hf, ids: list[int]) -> torch.Tensor:

@@ -8,14 +8,14 @@ from telemetry.names import POLICIES
 
 BACKENDS = ("torch", "triton")
 DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("none", "int8")  # weight formats (runtime/layers/quantized.py)
+QUANTIZATIONS = ("none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "gemma3-270m"
     dtype: str = "float32"
-    quantization: str = "none"  # int8: weight-only int8 projections and LM head; dtype stays the activations'
+    quantization: str = "none"  # int8: weight-only int8 projections and LM head; int8-head: only the LM head
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"
     attention_backend: str = "torch"

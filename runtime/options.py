@@ -18,8 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=d.model, help="gemma3-270m (default), tiny, a .gguf file or a HF directory")
     g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="activation (and KV cache) dtype")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
-                   help="weight format: none (the --dtype) or int8 (weight-only, per-channel scales: projections "
-                        "and LM head)")
+                   help="weight format: none (the --dtype), int8 (weight-only, per-channel scales: projections "
+                        "and LM head) or int8-head (the --dtype, but the LM head in int8 for decode's few rows, "
+                        "activations quantised per call)")
     g.add_argument("--compile-decode", action="store_true",
                    help="torch.compile each layer's math around its attention call (compiles on first use)")
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)

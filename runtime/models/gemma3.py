@@ -18,6 +18,8 @@ translation, stays outside the compiled regions).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -25,14 +27,23 @@ from runtime.layers.activation import gelu_tanh_and_mul
 from runtime.layers.attention import Attention
 from runtime.layers.linear import Embedding, Linear
 from runtime.layers.norm import RMSNorm, rms_norm_scaled
-from runtime.layers.quantized import Int8Embedding, Int8Linear
+from runtime.layers.quantized import Int8Embedding, Int8HeadEmbedding, Int8HeadLinear, Int8Linear
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.models.config import Gemma3Config
 
-# Weight formats: quantization name -> (linear layer, embedding table).
-WEIGHT_FORMATS: dict[str, tuple[type[nn.Module], type[nn.Module]]] = {
-    "none": (Linear, Embedding),
-    "int8": (Int8Linear, Int8Embedding),
+
+
+class WeightFormat(NamedTuple):
+    linear: type[nn.Module]  # every projection
+    embedding: type[nn.Module]  # the token table, also the LM head when tied
+    head: type[nn.Module]  # an untied LM head
+
+
+# Weight formats: quantization name -> the layers that hold the weights.
+WEIGHT_FORMATS: dict[str, WeightFormat] = {
+    "none": WeightFormat(Linear, Embedding, Linear),
+    "int8": WeightFormat(Int8Linear, Int8Embedding, Int8Linear),
+    "int8-head": WeightFormat(Linear, Int8HeadEmbedding, Int8HeadLinear),
 }
 
 
@@ -159,7 +170,7 @@ class Gemma3Model(nn.Module):
     def __init__(self, config: Gemma3Config, quantization: str = "none") -> None:
         super().__init__()
         self.config = config
-        linear, embedding = WEIGHT_FORMATS[quantization]
+        linear, embedding, _ = WEIGHT_FORMATS[quantization]
         self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         # Gemma multiplies embeddings by sqrt(hidden) rounded to the model dtype (25.25, not 25.298, in
         # bfloat16 for hidden 640), as the original implementation does.
@@ -192,7 +203,8 @@ class Gemma3Model(nn.Module):
 
 class Gemma3ForCausalLM(nn.Module):
     """`quantization` picks the weight format of every projection and of the embedding/LM head: "none"
-    (the model's dtype) or "int8" (weight-only, per-channel scales; see `runtime/layers/quantized.py`)."""
+    (the model's dtype), "int8" (weight-only, per-channel scales) or "int8-head" (the model's dtype but for
+    an int8 LM head at decode sizes); see `runtime/layers/quantized.py`."""
 
     def __init__(self, config: Gemma3Config, quantization: str = "none") -> None:
         super().__init__()
@@ -202,8 +214,8 @@ class Gemma3ForCausalLM(nn.Module):
         self.quantization = quantization
         self.layers_compiled = False
         self.model = Gemma3Model(config, quantization)
-        linear = WEIGHT_FORMATS[quantization][0]
-        self.lm_head = None if config.tie_word_embeddings else linear(config.hidden_size, config.vocab_size)
+        head = WEIGHT_FORMATS[quantization].head
+        self.lm_head = None if config.tie_word_embeddings else head(config.hidden_size, config.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Hidden states (T, hidden) of the flattened batch; `positions` are each token's own position."""

@@ -289,7 +289,8 @@ def build_model(
 
     With `quantization="int8"` the projections and the embedding/LM head are quantised from the state
     dict's values as they load (hand float32 values for the best scales); `dtype` is then the activation
-    dtype, that of the norms and of the int8 kernels' inputs.
+    dtype, that of the norms and of the int8 kernels' inputs. With "int8-head" only the LM head gets an int8
+    copy, made from those values too.
 
     NOTE: do not `.to(dtype)` a built model: that would also cast the float32 RoPE tables.
     """

@@ -103,7 +103,7 @@ def test_int8_model_loads_checkpoint_names_and_stays_close_to_float32(dtype):
 
 def test_config_and_model_know_the_same_weight_formats():
     assert QUANTIZATIONS == tuple(WEIGHT_FORMATS)
-    with pytest.raises(ValueError, match="--quantization must be one of none, int8"):
+    with pytest.raises(ValueError, match="--quantization must be one of none, int8, int8-head"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         build_model(Gemma3Config.tiny(), {}, quantization="fp8")
