@@ -242,6 +242,11 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     return 0
 
 
+def _ms(values: list[float], q: float, width: int, decimals: int) -> str:
+    """A percentile in ms for the report, right-aligned; "-" where nothing was timed (offline runs)."""
+    return f"{_pct(values, q):>{width}.{decimals}f}" if values else f"{'-':>{width}}"
+
+
 def format_serve_report(waves: list[Wave], stall: dict, args) -> str:
     lines = [f"swa-runtime bench --serve: {args.prompt_len}-token prompts, {args.gen_len} new tokens, greedy, "
              "EOS ignored; requests per level = max(concurrency, --min-requests)", "",
@@ -250,8 +255,8 @@ def format_serve_report(waves: list[Wave], stall: dict, args) -> str:
     for w in waves:
         hf = [x.tok_s for x in waves if x.system.startswith("transformers") and x.concurrency == w.concurrency]
         ratio = f"{w.tok_s / max(hf):.2f}" if hf else "-"
-        lines.append(f"{w.system:<26}{w.concurrency:>4}{w.tok_s:>9.1f}{ratio:>11}{_pct(w.ttft, .5):>10.0f}"
-                     f"{_pct(w.ttft, .9):>8.0f}{_pct(w.itl, .5):>9.1f}{_pct(w.itl, .9):>7.1f}{_pct(w.itl, .99):>7.1f}")
+        lines.append(f"{w.system:<26}{w.concurrency:>4}{w.tok_s:>9.1f}{ratio:>11}{_ms(w.ttft, .5, 10, 0)}"
+                     f"{_ms(w.ttft, .9, 8, 0)}{_ms(w.itl, .5, 9, 1)}{_ms(w.itl, .9, 7, 1)}{_ms(w.itl, .99, 7, 1)}")
     served = {w.concurrency: w for w in waves if w.system == "swa-runtime serve"}
     offline = next((w for w in waves if w.system == "offline engine"), None)
     if offline and 1 in served:
