@@ -55,7 +55,8 @@ REFERENCE_TEXT = (
 )
 
 # (activation dtype, weight format) of each variant of this runtime
-VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"), ("bfloat16", "int8-head"))
+VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bfloat16", "int8"),
+            ("bfloat16", "int8-head"))
 
 
 # ---- teacher-forced scoring ------------------------------------------------------------------------------

@@ -52,8 +52,11 @@ class TorchNativeBackend(AttentionBackend):
         window = None if decode else layer.sliding_window
         plan = self._plans.get((id(keys), window))
         if plan is None:
-            own_dtype = q.dtype != torch.float32 and not layer.logit_softcapping  # `_decode_in_own_dtype`
-            plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1) if decode else self._extend_plan(keys, window)
+            if decode:
+                own_dtype = q.dtype != torch.float32 and not layer.logit_softcapping  # `_decode_in_own_dtype`
+                plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1)
+            else:
+                plan = self._extend_plan(keys, window)
             self._plans[(id(keys), window)] = plan
         if decode:
             qb = q[:, :, None, :]  # (B, H, 1, D)

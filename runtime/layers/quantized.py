@@ -176,7 +176,11 @@ class DynamicInt8Weight:
 
     @staticmethod
     def wanted(weight: torch.Tensor) -> bool:
-        return weight.device.type == "cpu" and "x86" in torch.backends.quantized.supported_engines
+        """CPU weights, where torch has the x86 kernels and the (deprecated) quantized-tensor API; otherwise
+        the float head serves every row."""
+        return (weight.device.type == "cpu" and "x86" in torch.backends.quantized.supported_engines
+                and hasattr(torch, "_make_per_channel_quantized_tensor")
+                and hasattr(torch.ops.quantized, "linear_dynamic") and hasattr(torch.ops.quantized, "linear_prepack"))
 
     @staticmethod
     def takes(x2: torch.Tensor) -> bool:

@@ -32,7 +32,6 @@ from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.models.config import Gemma3Config
 
 
-
 class WeightFormat(NamedTuple):
     linear: type[nn.Module]  # every projection
     embedding: type[nn.Module]  # the token table, also the LM head when tied
