@@ -172,7 +172,7 @@ def main() -> None:
     ids = [config.bos_token_id] + tokenizer.encode(REFERENCE_TEXT)
     prompts = text_prompts(ids, args.prompts, args.prompt_len, config.bos_token_id)
 
-    hf32 = load_transformers(EngineConfig(model=args.model))
+    hf32 = load_transformers(EngineConfig(model=args.model, dtype="float32", quantization="none"))
     hf = {"float32": hf32, "bfloat16": copy.deepcopy(hf32).to(torch.bfloat16)}
     ref_logits = {dt: hf_logits(m, ids) for dt, m in hf.items()}
     ref_greedy = {dt: run_transformers(m, prompts, args.new_tokens).outputs for dt, m in hf.items()}

@@ -122,6 +122,7 @@ def load_transformers(cfg: EngineConfig):
     from transformers import AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig
 
     transformers.logging.set_verbosity_error()
+    cfg = cfg.concrete()
     dtype, source = getattr(torch, cfg.dtype), resolve_model(cfg.model)
     if source.kind == "tiny":
         hf_config = Gemma3TextConfig(**source.config.to_hf_dict(), attn_implementation=HF_ATTENTION)
@@ -340,7 +341,7 @@ def run_bench(args, cfg: EngineConfig) -> int:
 
     # The same prompts run several times: a prefix cache would turn later runs into cache hits, so the bench
     # measures prefill and decode with it off (benchmarks/prefix_cache_chat.py measures the cache itself).
-    cfg = cfg.with_(disable_prefix_caching=True)
+    cfg = cfg.concrete().with_(disable_prefix_caching=True)
     model_config, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                      quantization=cfg.quantization, compile_layers=cfg.compile_decode)
     tokenizer = load_tokenizer(cfg.model)

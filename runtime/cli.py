@@ -9,7 +9,7 @@ import sys
 from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
 from runtime.fleet import add_fleet_args
-from runtime.options import add_engine_args, engine_config
+from runtime.options import add_engine_args, announce_settings, engine_config
 from runtime.server.options import add_server_args
 
 
@@ -29,7 +29,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.prompt and not args.input_ids:
         print("error: give at least one --prompt or --input-ids", file=sys.stderr)
         return 2
-    engine = Engine(engine_config(args), progress=not args.json)
+    cfg = engine_config(args)
+    announce_settings(cfg)
+    engine = Engine(cfg, progress=not args.json)
     tok = engine.tokenizer
     prompts = [(text, tok.encode(text)) for text in args.prompt] + [(None, ids) for ids in args.input_ids]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -45,14 +47,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    cfg = engine_config(args)
+    announce_settings(cfg)
     if args.serve:
         from runtime.bench_serve import run_bench_serve
         from runtime.options import engine_argv
 
-        return run_bench_serve(args, engine_config(args), engine_argv(args))
+        return run_bench_serve(args, cfg, engine_argv(args))
     from runtime.bench import run_bench
 
-    return run_bench(args, engine_config(args))
+    return run_bench(args, cfg)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -7,15 +7,18 @@ from dataclasses import dataclass, field, replace
 from telemetry.names import POLICIES
 
 BACKENDS = ("torch", "triton")
-DTYPES = ("float32", "bfloat16")
-QUANTIZATIONS = ("none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
+DTYPES = ("auto", "float32", "bfloat16")  # auto: runtime/auto_settings.py
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "gemma3-270m"
-    dtype: str = "float32"
-    quantization: str = "none"  # int8: weight-only int8 projections and LM head; int8-head: only the LM head
+    # auto: the fastest setting measured on this kind of CPU (runtime/auto_settings.py), made concrete by
+    # `concrete()` before anything is built; token-exact comparisons pin float32 / none.
+    dtype: str = "auto"
+    quantization: str = "auto"  # int8: weight-only int8 projections and LM head; int8-head: only the LM head
+    auto_reason: str | None = None  # what `auto` followed from, once `concrete()` resolved it (None: as given)
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"
     attention_backend: str = "torch"
@@ -66,8 +69,23 @@ class EngineConfig:
     def with_(self, **changes) -> "EngineConfig":
         return replace(self, **changes)
 
+    def concrete(self, model=None) -> "EngineConfig":
+        """This config with `auto` dtype and quantization replaced by what they resolve to on this CPU (or, for
+        a model built beforehand, by what that model is); unchanged when neither is `auto`."""
+        from runtime.auto_settings import resolve_auto
+        from runtime.models.registry import TINY_MODEL
+
+        dtype, quantization, reason = resolve_auto(self.dtype, self.quantization, tiny=self.model == TINY_MODEL,
+                                                   model=model)
+        if reason is None:
+            return self
+        return replace(self, dtype=dtype, quantization=quantization, auto_reason=reason)
+
     def resolve(self, model_config) -> "ResolvedConfig":
-        """The values derived from this config and the model's, computed once (raises PoolTooSmallError)."""
+        """The values derived from this config and the model's, computed once (raises PoolTooSmallError);
+        `auto` settings resolved first (`concrete`), so `ResolvedConfig.engine` names what runs."""
+        if "auto" in (self.dtype, self.quantization):
+            return self.concrete().resolve(model_config)
         ps = self.page_size
         window = model_config.sliding_window if model_config.sliding_layer_ids else None
         limit = model_config.max_position_embeddings

@@ -43,8 +43,9 @@ class StepObserver(Protocol):
 class Engine:
     def __init__(self, cfg: EngineConfig, progress: bool = True, model=None, tokenizer=None,
                  observer: StepObserver | None = None):
-        """`model` (and `tokenizer`) may be given pre-built, e.g. a test's model with a chosen window."""
-        self.cfg = cfg
+        """`model` (and `tokenizer`) may be given pre-built, e.g. a test's model with a chosen window. `auto`
+        dtype and quantization are resolved first (`EngineConfig.concrete`): `self.cfg` says what runs."""
+        self.cfg = cfg = cfg.concrete(model)
         torch.manual_seed(cfg.seed)
         if model is None:
             _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
@@ -58,7 +59,7 @@ class Engine:
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
-                                 gauges=self)
+                                 gauges=self, dtype=cfg.dtype, quantization=cfg.quantization)
         self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
         self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
         self.pool = self.runner.pool

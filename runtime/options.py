@@ -7,6 +7,7 @@ Its own module so that the command line (`runtime/cli.py`) and the server launch
 from __future__ import annotations
 
 import argparse
+import sys
 
 from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 from runtime.faults import FAULTS
@@ -16,9 +17,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=d.model, help="gemma3-270m (default), tiny, a .gguf file or a HF directory")
-    g.add_argument("--dtype", choices=DTYPES, default=d.dtype, help="activation (and KV cache) dtype")
+    g.add_argument("--dtype", choices=DTYPES, default=d.dtype,
+                   help="activation (and KV cache) dtype; auto (default): the fastest measured on this kind of CPU "
+                        "(bfloat16 where it has AVX2 or bfloat16 units, else float32; printed at start); float32 "
+                        "is token-exact with transformers")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
-                   help="weight format: none (the --dtype), int8 (weight-only, per-channel scales: projections "
+                   help="weight format: auto (default: int8-head on CPUs with bfloat16 units, int8 on AVX2 "
+                        "without them, else none), none (the --dtype), int8 (weight-only, per-channel scales: projections "
                         "and LM head) or int8-head (the --dtype, but the LM head in int8 for decode's few rows, "
                         "activations quantised per call)")
     g.add_argument("--compile-decode", action="store_true",
@@ -94,7 +99,15 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def announce_settings(cfg: EngineConfig) -> None:
+    """Say at start what runs, and why where `auto` chose it (stderr: stdout may carry --json output)."""
+    from runtime.auto_settings import describe
+
+    print(f"swa-runtime: {describe(cfg.dtype, cfg.quantization, cfg.auto_reason)}", file=sys.stderr, flush=True)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config the options name, `auto` settings resolved for this CPU (`EngineConfig.concrete`)."""
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, compile_decode=args.compile_decode,
         attention_backend=args.attention_backend, loc_cache=args.loc_cache,
@@ -105,4 +118,4 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
         hicache_size=args.hicache_size, disable_prefix_caching=args.disable_prefix_caching, seed=args.seed,
         inject=tuple(args.inject),
-    )
+    ).concrete()

@@ -178,9 +178,9 @@ class TelemetryCollector:
         yield suppressed
         b = s.build_info
         info = GaugeMetricFamily(
-            names.BUILD_INFO, "Build and configuration; always 1.", labels=["version", "model", "policy", "backend"]
+            names.BUILD_INFO, "Build and configuration; always 1.", labels=["version", "model", "policy", "backend", "dtype", "quantization"]
         )
-        info.add_metric([b.version, b.model, b.policy, b.backend], 1)
+        info.add_metric([b.version, b.model, b.policy, b.backend, b.dtype, b.quantization], 1)
         yield info
 
 

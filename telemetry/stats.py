@@ -148,6 +148,8 @@ class BuildInfo:
     model: str
     policy: str
     backend: str
+    dtype: str  # what runs, `auto` resolved (a closed set: the engine's DTYPES)
+    quantization: str
 
 
 def _package_version() -> str:
@@ -190,6 +192,8 @@ class EngineStats:
         backend: str = "unknown",
         version: str | None = None,
         gauges: GaugeSource | None = None,
+        dtype: str = "unknown",
+        quantization: str = "unknown",
     ):
         self.translation = TranslationStats(policy)
         self.forward_counts: dict[str, int] = dict.fromkeys(names.FORWARD_MODE_LABELS, 0)
@@ -213,6 +217,8 @@ class EngineStats:
             model=model,
             policy=policy,
             backend=backend,
+            dtype=dtype,
+            quantization=quantization,
         )
 
     def record_forward(self, mode: str, seconds: float) -> None:

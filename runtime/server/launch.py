@@ -17,7 +17,7 @@ import sys
 
 import uvicorn
 
-from runtime.options import engine_config
+from runtime.options import announce_settings, engine_config
 from runtime.server.engine_process import EngineProcess
 from runtime.server.options import ServerOptions
 
@@ -50,6 +50,7 @@ def serve(args: argparse.Namespace) -> int:
     instance = instance_of(args.host, args.port)  # every log record names this replica as Prometheus does
     configure_logging(args.log_format, args.log_level, instance=instance)
     cfg = engine_config(args)
+    announce_settings(cfg)
     opts = ServerOptions.from_args(args)
     model_name = resolve_model(cfg.model).name
     engine_loop = EngineProcess(cfg, load_tokenizer(cfg.model), max_queued_requests=opts.max_queued_requests,

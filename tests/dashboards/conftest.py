@@ -67,8 +67,9 @@ class FakeRuntime:
         self.running = Gauge(n.NUM_RUNNING_REQS, "running", registry=r)
         self.queued = Gauge(n.NUM_QUEUE_REQS, "queued", registry=r)
         self.suppressed = Counter(n.LOG_EVENTS_SUPPRESSED, "suppressed", ["event"], registry=r)
-        build = Gauge(n.BUILD_INFO, "build", ["version", "model", "policy", "backend"], registry=r)
-        build.labels("0.1.0", "gemma3-270m", "memo", "torch").set(1)
+        build = Gauge(n.BUILD_INFO, "build", ["version", "model", "policy", "backend", "dtype", "quantization"],
+                      registry=r)
+        build.labels("0.1.0", "gemma3-270m", "memo", "torch", "bfloat16", "int8-head").set(1)
         for policy in n.POLICIES:
             self.translations.labels(policy)
             for path in n.PATHS:

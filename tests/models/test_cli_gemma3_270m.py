@@ -12,7 +12,8 @@ pytestmark = pytest.mark.slow
 
 def test_the_default_model_generates_what_transformers_generates(hf_gguf_model):
     result = subprocess.run([sys.executable, "-m", "runtime", "generate", "--prompt", "The capital of France is",
-                             "--max-new-tokens", "8", "--json"], capture_output=True, text=True, timeout=600)
+                             "--max-new-tokens", "8", "--json",
+                             "--dtype", "float32", "--quantization", "none"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     row = json.loads(result.stdout)
     with torch.no_grad():

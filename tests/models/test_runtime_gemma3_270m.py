@@ -39,7 +39,7 @@ def test_prefill_logits_and_greedy_continuation_match_transformers(policy, our_g
     config, state = our_gguf_f32
     tokenizer, prompt, ref_prefill, ref_out = reference
     assert len(prompt) > config.sliding_window + 64
-    cfg = EngineConfig(model="gemma3-270m", loc_cache=policy, max_total_tokens=2048, swa_full_tokens_ratio=0.5,
+    cfg = EngineConfig(model="gemma3-270m", dtype="float32", quantization="none", loc_cache=policy, max_total_tokens=2048, swa_full_tokens_ratio=0.5,
                        chunked_prefill_size=256, graph_batch_sizes=(1,))
     engine = Engine(cfg, model=build_model(config, state, torch.float32), tokenizer=tokenizer)
     logits = []

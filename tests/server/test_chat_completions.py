@@ -411,7 +411,7 @@ def gemma_server(gemma3_gguf_path):
     from runtime.config import EngineConfig
     from runtime.engine import Engine
 
-    engine = Engine(EngineConfig(model="gemma3-270m", max_total_tokens=2048, swa_full_tokens_ratio=0.5,
+    engine = Engine(EngineConfig(model="gemma3-270m", dtype="float32", quantization="none", max_total_tokens=2048, swa_full_tokens_ratio=0.5,
                                  graph_batch_sizes=(1,)), progress=False)
     srv = start_server(engine)
     yield srv

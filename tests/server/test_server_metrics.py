@@ -90,6 +90,8 @@ def test_metrics_count_exactly_what_was_sent(fresh):
         assert total > 0 and after[("swa_runtime_kv_tokens", (("pool", pool), ("state", "available")))] == total
     build = [k for k in after if k[0] == "swa_runtime_build_info"]
     assert len(build) == 1 and dict(build[0][1])["model"] == "tiny" and after[build[0]] == 1
+    # `auto` on a model built beforehand (a float32 tiny model) resolves to what that model is
+    assert (dict(build[0][1])["dtype"], dict(build[0][1])["quantization"]) == ("float32", "none")
 
 
 def test_a_model_given_as_a_path_puts_no_path_in_any_label(tmp_path):

@@ -93,7 +93,8 @@ def test_every_series_exists_at_zero_before_any_event(registry):
     for name, expected in GAUGES.items():
         assert samples[name] == dict.fromkeys(expected, 0.0), name
     assert samples[names.BUILD_INFO] == {
-        (("backend", "torch"), ("model", "tiny-random"), ("policy", "memo"), ("version", "0.1.0-test")): 1.0
+        (("backend", "torch"), ("dtype", "unknown"), ("model", "tiny-random"), ("policy", "memo"),
+         ("quantization", "unknown"), ("version", "0.1.0-test")): 1.0
     }
     forward_les = [str(b) for b in FORWARD_SECONDS_BUCKETS] + ["+Inf"]
     assert set(samples[names.FORWARD_SECONDS + "_bucket"]) == {
