@@ -1,4 +1,4 @@
-"""The fleet dashboard, as code: replicas behind the SGLang router watched from one Prometheus (README: Fleet).
+"""The fleet dashboard, as code: replicas behind the SGLang router watched from one Prometheus (docs/fleet.md).
 
 Three rows: fleet-wide aggregates over the selected instances (the same numbers as the main dashboard, summed
 over replicas), the same quantities broken down by `instance`, and the router's own metrics (job

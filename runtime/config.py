@@ -37,7 +37,7 @@ class EngineConfig:
     context_length: int | None = None  # None: the model's
     chunked_prefill_size: int = 2048
     hicache_size: int = 0  # host-memory KV tier in tokens (0: retracted requests are recomputed)
-    disable_prefix_caching: bool = False  # the radix cache of finished requests' KV (README: Prefix cache)
+    disable_prefix_caching: bool = False  # the radix cache of finished requests' KV (docs/prefix-cache.md)
     telemetry: bool = True
     seed: int = 0
     inject: tuple[str, ...] = field(default_factory=tuple)

@@ -1,6 +1,6 @@
 """What the SGLang router (`sglang-router`, pinned in pyproject.toml) expects of a worker, served beside our API.
 
-Learnt from the router's documentation and from its behaviour in front of this server (the README's Fleet
+Learnt from the router's documentation and from its behaviour in front of this server (docs/fleet.md's
 section sums it up for users); what each piece here answers:
 
 - Registration: the router reads `GET /server_info` then `/model_info` (falling back to `/get_server_info`
