@@ -28,6 +28,7 @@ from tqdm import tqdm
 from runtime.config import EngineConfig
 from runtime.core import Req, SamplingParams
 from runtime.engine import Engine
+from runtime.memory_bound import decode_weight_bytes, read_bandwidth
 from runtime.models.loader import load_model, random_state_dict
 from runtime.models.registry import resolve_model
 from runtime.models.tokenizer import load_tokenizer
@@ -258,6 +259,16 @@ def telemetry_overhead(probes: dict[str, EngineProbe], prompts: list[list[int]],
             "overhead_pct_ci95": ((low - 1) * 100, (high - 1) * 100)}
 
 
+def memory_limit(model, batch: int, step_s: float) -> dict:
+    """A decode step next to its memory-bound floor: the weight bytes it reads over the machine's measured
+    read bandwidth (runtime/memory_bound.py)."""
+    weights = decode_weight_bytes(model, batch)
+    bandwidth = read_bandwidth()
+    floor = weights / bandwidth
+    return {"batch": batch, "weight_bytes": weights, "read_bandwidth": bandwidth, "floor_ms": floor * 1e3,
+            "step_ms": step_s * 1e3, "step_over_floor": step_s / floor}
+
+
 def median_interval(values: list[float]) -> tuple[float, float]:
     """A distribution-free 95% confidence interval of the median: the order statistics n/2 -+ 0.98 sqrt(n)
     (the normal approximation of the binomial count of values below the median)."""
@@ -312,6 +323,13 @@ def format_report(report: dict) -> str:
               f"  median step, telemetry off: {o['median_step_ms_off']:.3f} ms",
               f"  overhead: {o['overhead_pct']:+.2f}% (median over step pairs of on/off; 95% interval "
               f"{o['overhead_pct_ci95'][0]:+.2f}% .. {o['overhead_pct_ci95'][1]:+.2f}%)"]
+    m = report.get("memory_limit")
+    if m is not None:
+        lines += ["", f"Decode against the memory limit (batch {m['batch']}, the telemetry-on steps above)",
+                  f"  weights read per step: {m['weight_bytes'] / 1e6:.1f} MB; read bandwidth measured now: "
+                  f"{m['read_bandwidth'] / 1e9:.1f} GB/s ({s['threads']} threads)",
+                  f"  floor (bytes / bandwidth): {m['floor_ms']:.2f} ms; median step {m['step_ms']:.2f} ms = "
+                  f"{m['step_over_floor']:.2f}x the floor ({1 / m['step_over_floor']:.0%} of the limit)"]
     return "\n".join(lines)
 
 
@@ -364,6 +382,7 @@ def run_bench(args, cfg: EngineConfig) -> int:
     overhead = telemetry_overhead({"on": probe, "off": probe_off}, prompts_for(min(batch_sizes)),
                                   max(gen_len, 2), args.overhead_rounds, progress=True)
 
+    limit = memory_limit(model, overhead["batch"], overhead["median_step_ms_on"] / 1e3)
     throughput, kv = [], []
     for batch in batch_sizes:
         prompts = prompts_for(batch)
@@ -388,6 +407,7 @@ def run_bench(args, cfg: EngineConfig) -> int:
         "throughput": throughput,
         "kv": kv,
         "telemetry_overhead": overhead,
+        "memory_limit": limit,
     }
     print(format_report(report))
     if args.json:

@@ -171,3 +171,47 @@ def test_chunks_without_a_token_are_not_timed():
     assert _closing_chunk({"choices": [], "usage": {"completion_tokens": 5}})  # a usage-only chunk
     assert not _closing_chunk({"choices": [{"text": "a", "finish_reason": "length"}]})  # last token + reason
     assert not _closing_chunk({"choices": [{"text": "", "finish_reason": None}]})  # a held-back token
+
+
+def test_the_memory_limit_is_the_weights_read_over_the_measured_bandwidth(tiny_report):
+    """float32 tiny model, tied head: one step reads every parameter once (the table as the head) and one
+    embedding row per token; the floor is those bytes over the bandwidth, the ratio the step over it."""
+    import torch
+
+    from runtime.models.loader import build_model, random_state_dict
+
+    config = Gemma3Config.tiny()
+    model = build_model(config, random_state_dict(config, seed=0), torch.float32)
+    m = tiny_report["memory_limit"]
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert config.tie_word_embeddings and m["batch"] == 1
+    assert m["weight_bytes"] == params + m["batch"] * config.hidden_size * 4
+    assert m["read_bandwidth"] > 1e8
+    assert m["floor_ms"] == pytest.approx(m["weight_bytes"] / m["read_bandwidth"] * 1e3)
+    assert m["step_ms"] == pytest.approx(tiny_report["telemetry_overhead"]["median_step_ms_on"])
+    assert m["step_over_floor"] == pytest.approx(m["step_ms"] / m["floor_ms"])
+
+
+@pytest.mark.parametrize("quantization", ["int8-head", "int8"])
+def test_decode_bytes_count_the_copy_each_layer_multiplies_with(quantization):
+    import torch
+
+    from runtime.layers.quantized import DYNAMIC_MAX_ROWS
+    from runtime.memory_bound import decode_weight_bytes
+    from runtime.models.loader import build_model, random_state_dict
+
+    config = Gemma3Config.tiny()
+    model = build_model(config, random_state_dict(config, seed=0), torch.bfloat16, quantization=quantization)
+    V, D = config.vocab_size, config.hidden_size
+    if quantization == "int8-head":
+        if model.model.embed_tokens.int8 is None:
+            pytest.skip("this torch has no quantized-tensor API: the float head serves every row")
+        floats = sum(p.numel() * 2 for p in model.parameters())  # all bfloat16, the table among them
+        for rows in (1, DYNAMIC_MAX_ROWS):  # the int8 copy (int8 weights, float32 scales) replaces the table
+            assert decode_weight_bytes(model, rows) == floats - V * D * 2 + rows * D * 2 + V * D + V * 4
+        assert decode_weight_bytes(model, DYNAMIC_MAX_ROWS + 1) == floats + (DYNAMIC_MAX_ROWS + 1) * D * 2
+    else:
+        int8 = [m for m in model.modules() if hasattr(m, "weight_int8")]
+        int8_bytes = sum(m.weight_int8.numel() + m.scales.numel() * 4 for m in int8)
+        norms = sum(p.numel() * p.element_size() for p in model.parameters())  # the int8 layers hold buffers
+        assert decode_weight_bytes(model, 3) == int8_bytes + norms + 3 * D  # int8 lookups: one byte a value

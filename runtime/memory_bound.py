@@ -1,0 +1,69 @@
+"""How close a decode step is to the memory limit: the weight bytes it must read and the machine's read rate.
+
+A batch-1 decode step multiplies one row by every weight of the model once, so on a CPU it is bound by how
+fast the weights stream from memory: (bytes read per step) / (read bandwidth) is the floor for its time.
+`decode_weight_bytes` counts the bytes of the copy each layer actually multiplies with at `rows` rows (the
+int8 LM head below its row limit, the float head above; int8 weight-only layers; the model's dtype
+otherwise; one embedding row per token), and `read_bandwidth` measures the rate at which this process can
+stream a buffer far larger than the caches, with the threads torch uses. `swa-runtime bench` prints both and
+the fraction of that floor a measured step reaches.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from runtime.layers.linear import Embedding, Linear
+from runtime.layers.quantized import DYNAMIC_MAX_ROWS, Int8Embedding, _Int8Rows
+
+READ_BUFFER_BYTES = 1 << 30  # far past any last-level cache of the machines this runs on (480 MiB seen)
+
+
+def _int8_bytes(module: _Int8Rows) -> int:
+    return module.weight_int8.numel() + module.scales.numel() * module.scales.element_size()
+
+
+def _head_bytes(module: nn.Module, rows: int) -> int:
+    """Bytes the LM head multiplies with at `rows` rows: its int8 copy where it takes them, else its weight."""
+    if isinstance(module, _Int8Rows):
+        return _int8_bytes(module)
+    if getattr(module, "int8", None) is not None and rows <= DYNAMIC_MAX_ROWS:
+        w = module.weight
+        return w.numel() + w.shape[0] * 4  # int8 per-channel weights and their float32 scales
+    return module.weight.numel() * module.weight.element_size()
+
+
+def decode_weight_bytes(model: nn.Module, rows: int = 1) -> int:
+    """Weight bytes one forward over `rows` tokens reads: every projection and norm once, the LM head once,
+    `rows` rows of the embedding table (a tied head reads the whole table, counted as the head)."""
+    total = 0
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    for module in model.modules():
+        if module is model.lm_head:
+            continue  # counted as the head below
+        if isinstance(module, (Embedding, Int8Embedding)):
+            row = module.embedding_dim * (1 if isinstance(module, Int8Embedding) else module.weight.element_size())
+            total += rows * row
+        elif isinstance(module, _Int8Rows):
+            total += _int8_bytes(module)
+        elif isinstance(module, Linear):
+            total += module.weight.numel() * module.weight.element_size()
+        else:
+            total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+    return total + _head_bytes(head, rows)
+
+
+def read_bandwidth(repeats: int = 5, nbytes: int = READ_BUFFER_BYTES) -> float:
+    """Bytes per second this process streams from memory (best of `repeats` sums of a buffer of `nbytes`,
+    with torch's threads), the denominator of the memory-bound floor."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()  # touch every page once before timing
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
