@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-promtool check config --lint=all dashboards/prometheus/prometheus.yml
+promtool check config --lint=all dashboards/prometheus/prometheus.yml dashboards/prometheus/prometheus-local.yml
 promtool check rules --lint=all --lint-fatal dashboards/prometheus/rules/*.yml
 promtool test rules dashboards/prometheus/tests/*.yml
 python -m dashboards.generate --check
