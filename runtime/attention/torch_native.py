@@ -34,6 +34,9 @@ class _Plan:
     causal: bool = False  # a single request whose keys are exactly its queries: plain causal attention
     q_index: torch.Tensor | None = None  # (B, Tq) int64 rows of the flattened T (padding 0); None: B == 1
     q_real: torch.Tensor | None = None  # (B, Tq) bool, the real rows of q_index
+    # (t0, t1, j0, j1): query rows t0..t1-1 see no key outside columns j0..j1-1 (long extends only), so
+    # each block is attended over those columns alone instead of the whole masked table
+    blocks: list[tuple[int, int, int, int]] | None = None
 
 
 class TorchNativeBackend(AttentionBackend):
@@ -65,7 +68,13 @@ class TorchNativeBackend(AttentionBackend):
         k, v = _gather(k_buf, plan.slots), _gather(v_buf, plan.slots)  # (B, Hkv, L, D)
         if decode and q.dtype != torch.float32 and not layer.logit_softcapping:
             return _decode_in_own_dtype(qb, k, v, plan.mask, layer).reshape(q.shape)
-        out = _attention(qb, k, v, plan.mask, plan.causal, layer)  # (B, H, Tq, D)
+        if plan.blocks is None:
+            out = _attention(qb, k, v, plan.mask, plan.causal, layer)  # (B, H, Tq, D)
+        else:
+            out = qb.new_zeros(qb.shape)  # rows no block covers are padding, dropped below
+            for t0, t1, j0, j1 in plan.blocks:
+                out[:, :, t0:t1] = _attention(qb[:, :, t0:t1], k[:, :, j0:j1], v[:, :, j0:j1],
+                                              plan.mask[..., t0:t1, j0:j1], False, layer)
         if decode:
             return out.reshape(q.shape)  # Tq = 1
         out = out.transpose(1, 2)  # (B, Tq, H, D)
@@ -111,8 +120,34 @@ class TorchNativeBackend(AttentionBackend):
             visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
         if q_real is not None:
             visible |= ~q_real[:, :, None]  # padded query rows see everything (finite); their rows are dropped
-        return _Plan(slots, visible[:, None], q_index=q_index, q_real=q_real)
+        blocks = self._query_blocks(extend, keys.start_list, L, window) if Tq > QUERY_BLOCK else None
+        return _Plan(slots, visible[:, None], q_index=q_index, q_real=q_real, blocks=blocks)
 
+    def _query_blocks(self, extend: list[int], key_starts: list[int], L: int,
+                      window: int | None) -> list[tuple[int, int, int, int]]:
+        """Blocks of QUERY_BLOCK query rows and the key columns any real row of the block can see: request b's
+        row t is position prefix_b + t, its key column j position key_starts[b] + j; it sees columns up to its
+        own position and, on a sliding layer, back to window - 1 before it. Blocks of padding rows only are
+        left out. The fused kernel computes every block of a masked table, so a long causal or windowed
+        extend (a 2048-token chunk) pays for the masked part in full unless the table is cut like this."""
+        prefix = self.batch.prefix_lens
+        blocks = []
+        for t0 in range(0, max(extend), QUERY_BLOCK):
+            t1 = min(t0 + QUERY_BLOCK, max(extend))
+            lo, hi = L, 0
+            for b, e in enumerate(extend):
+                if t0 >= e:
+                    continue
+                first, last = prefix[b] + t0 - key_starts[b], prefix[b] + min(t1, e) - 1 - key_starts[b]
+                lo = min(lo, 0 if window is None else max(0, first - window + 1))
+                hi = max(hi, last + 1)
+            if hi > lo:
+                blocks.append((t0, t1, lo, min(hi, L)))
+        return blocks
+
+
+# Query rows per block of a long extend's attention (`TorchNativeBackend._query_blocks`).
+QUERY_BLOCK = 256
 
 # Key lists of a bfloat16/float16 decode are padded to a multiple of this. oneDNN, which runs those batched
 # matmuls, prepares a kernel per shape and keeps it for the next call of that shape; the keys of a global

@@ -119,3 +119,26 @@ def test_the_plan_is_built_once_per_key_list_and_window():
     assert len(backend._plans) == 1
     backend.attend(q, k_buf, v_buf, keys, _layer(None))  # a global layer over the same list: its own mask
     assert len(backend._plans) == 2
+
+
+@pytest.mark.parametrize("window", [None, 16], ids=["full", "window16"])
+@pytest.mark.parametrize("case", ["fresh-single", "chunk-after-prefix", "mixed-batch"])
+def test_long_extends_are_attended_in_query_blocks_over_the_keys_each_block_can_see(case, window, monkeypatch):
+    """With blocks of 8 query rows the plans cut the key table per block (fewer columns than the table for
+    most blocks), and the output still equals the per-query reference."""
+    import runtime.attention.torch_native as tn
+
+    monkeypatch.setattr(tn, "QUERY_BLOCK", 8)
+    prefix_lens, extend_lens = CASES[case]
+    backend, q, k_buf, v_buf, keys, tables, _ = _case(prefix_lens, extend_lens, window, torch.float32, seed=11)
+    layer = _layer(window)
+    got = backend.attend(q, k_buf, v_buf, keys, layer)
+    expected = _reference(q, k_buf, v_buf, tables, prefix_lens, extend_lens, layer)
+    torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=1e-5)
+    (plan,) = backend._plans.values()
+    if plan.causal:  # a fresh single request within the window: the kernel's own causal path, no blocks
+        assert plan.blocks is None and (window is None or max(extend_lens) <= window)
+        return
+    L = plan.slots.shape[1]
+    assert plan.blocks and [b[0] for b in plan.blocks] == list(range(0, max(extend_lens), 8))
+    assert sum(j1 - j0 for *_, j0, j1 in plan.blocks) < len(plan.blocks) * L  # masked columns skipped
