@@ -412,7 +412,8 @@ def variables() -> list[dict[str, Any]]:
 
 
 def build() -> dict[str, Any]:
-    items = translation_cache() + invalidation_and_events() + forwards() + kv_memory() + prefix_cache() + requests()
+    # what users see first (requests, latency, errors), the translation internals below
+    items = requests() + translation_cache() + invalidation_and_events() + forwards() + kv_memory() + prefix_cache()
     return {
         "uid": DASHBOARD_UID,
         "title": "swa-runtime: KV location translation",

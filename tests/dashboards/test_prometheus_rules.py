@@ -32,6 +32,8 @@ EXPECTED_ALERTS = {
     "SWARuntimeMetricsAbsent",
     "SWARuntimeRequestErrors",
     "SWARuntimeRequestsRefused",
+    "SWARuntimeSlowFirstToken",
+    "SWARuntimeSlowDecode",
 }
 
 
