@@ -142,12 +142,12 @@ class EngineTracer:
     def begin_forward(self, forward_id: int, mode: str, batch: ForwardBatch | None) -> None:
         """A forward starts: its span links to the span of every request in `batch` (none for graph warm-up
         and capture runs, whose batches are padding; no batch for a multi-step scope)."""
-        rids = batch.rids if batch is not None else ()
+        rids, size, tokens = (batch.rids, batch.batch_size, batch.num_tokens) if batch is not None else ((), 0, 0)
         links = [Link(trace.span.get_span_context(), {names.REQUEST_ID: rid})
                  for rid in rids if (trace := self._requests.get(rid)) is not None]
         span = self._tracer.start_span(names.FORWARD_SPAN, context=Context(), links=links, attributes={
-            names.FORWARD_ID: forward_id, names.FORWARD_MODE: mode, names.FORWARD_BATCH_SIZE: batch.batch_size if batch is not None else 0,
-            names.FORWARD_TOKENS: batch.num_tokens if batch is not None else 0, names.LOC_CACHE_POLICY: self._policy,
+            names.FORWARD_ID: forward_id, names.FORWARD_MODE: mode, names.FORWARD_BATCH_SIZE: size,
+            names.FORWARD_TOKENS: tokens, names.LOC_CACHE_POLICY: self._policy,
         })
         self._forward = _ForwardTrace(span, forward_id, mode, rids)
 
@@ -175,8 +175,8 @@ class EngineTracer:
         fwd = self._forward
         if fwd is None:
             return
-        attributes = {k: v for k, v in event.as_dict().items()
-                      if v is not None and k not in ("key", "prev_key")}
+        # the record's plain fields (keys are pointer tuples; null fields stay out)
+        attributes = {k: v for k, v in event.as_dict().items() if isinstance(v, (str, int, float, bool))}
         attributes.setdefault("forward_id", fwd.forward_id)
         attributes.setdefault("mode", fwd.mode)
         fwd.span.add_event(names.KV_EVENT, attributes)
