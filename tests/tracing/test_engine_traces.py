@@ -11,6 +11,8 @@ from runtime.config import EngineConfig
 from runtime.core import Req, SamplingParams
 from runtime.engine import Engine
 from runtime.tracing import names
+
+pytest.importorskip("opentelemetry.sdk", reason="the tracing extra is not installed")
 from conftest import OTLPReceiver
 
 # Without forward-entry and allocator invalidations, graph-replayed decode steps reuse a stale translation:

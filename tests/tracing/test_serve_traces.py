@@ -10,9 +10,12 @@ import sys
 import urllib.request
 from pathlib import Path
 
+import pytest
 from live_helpers import free_port, wait_for  # tests/ is on sys.path
 
 from runtime.tracing import names
+
+pytest.importorskip("opentelemetry.sdk", reason="the tracing extra is not installed")
 
 REPO = Path(__file__).resolve().parents[2]
 TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
