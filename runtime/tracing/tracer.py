@@ -8,6 +8,7 @@ batch processor exports from its own thread. Request phases are spans with the e
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -64,6 +65,7 @@ class EngineTracer:
             "swa_runtime.model": build.model,
             names.LOC_CACHE_POLICY: build.policy,
             "swa_runtime.attention_backend": build.backend,
+            "host.name": socket.gethostname(), "process.pid": os.getpid(),  # tells the replicas of a fleet apart
         })
         provider = TracerProvider(resource=resource)
         exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)

@@ -3,6 +3,7 @@ forward spans linked to the right requests, key-change events on the forward tha
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import pytest
@@ -78,7 +79,9 @@ def test_request_spans_carry_what_the_engine_did(run):
         assert a[names.LATENCY_TIME_TO_FIRST_TOKEN] == pytest.approx(r.first_token_time - r.arrival_time)
         span = spans[r.rid]
         assert (span.end_ns - span.start_ns) / 1e9 == pytest.approx(a[names.LATENCY_E2E], abs=1e-6)
-    assert spans[reqs[0].rid].resource["service.name"] == names.SERVICE_NAME
+    resource = spans[reqs[0].rid].resource
+    assert resource["service.name"] == names.SERVICE_NAME and resource["process.pid"] == os.getpid()
+    assert resource["swa_runtime.model"] == "tiny" and resource[names.LOC_CACHE_POLICY] == "memo"
 
 
 def test_phases_are_children_that_tile_the_request(run):
