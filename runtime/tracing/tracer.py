@@ -16,7 +16,7 @@ from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import Link, Span, SpanKind, Status, StatusCode, set_span_in_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -46,6 +46,9 @@ class _ForwardTrace:
 
 
 class EngineTracer:
+    """The spans of one engine: request spans kept open from arrival to end (so that forwards can link to
+    them), one forward span at a time, events put on the forward that is running."""
+
     def __init__(self, provider: TracerProvider, build: BuildInfo):
         self._provider = provider
         self._tracer = provider.get_tracer(names.TRACER_NAME, build.version)
@@ -56,7 +59,7 @@ class EngineTracer:
         self._forward: _ForwardTrace | None = None
 
     @classmethod
-    def to_endpoint(cls, url: str, build: BuildInfo, exporter: SpanExporter | None = None) -> "EngineTracer":
+    def to_endpoint(cls, url: str, build: BuildInfo) -> "EngineTracer":
         """Batched OTLP/HTTP export to `url` (the OTEL_BSP_* variables tune the batching, OTEL_SERVICE_NAME
         the service's name)."""
         resource = Resource.create({
@@ -68,8 +71,7 @@ class EngineTracer:
             "host.name": socket.gethostname(), "process.pid": os.getpid(),  # tells the replicas of a fleet apart
         })
         provider = TracerProvider(resource=resource)
-        exporter = exporter if exporter is not None else OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)
-        provider.add_span_processor(BatchSpanProcessor(exporter))
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S)))
         return cls(provider, build)
 
     def shutdown(self) -> None:

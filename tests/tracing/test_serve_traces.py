@@ -22,7 +22,8 @@ TRACE_ID, PARENT_ID = "0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331"
 
 
 def post(url: str, body: dict, headers: dict | None = None) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    headers = {"Content-Type": "application/json", **(headers or {})}
+    req = urllib.request.Request(url, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=60) as response:
         return json.load(response)
 

@@ -61,7 +61,8 @@ def test_tracing_off_imports_no_opentelemetry():
         "out = e.generate([[2, 3, 4], [5, 6, 7, 8]], SamplingParams(max_new_tokens=4, ignore_eos=True))\n"
         "e.close()\n"
         "assert e.tracer is None and e.runner.tracer is None and e.scheduler.tracer is None\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('opentelemetry', 'runtime.tracing.tracer'))), len(out[1]))\n"
+        "loaded = [m for m in sys.modules if m.startswith(('opentelemetry', 'runtime.tracing.tracer'))]\n"
+        "print(sorted(loaded), len(out[1]))\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
