@@ -39,6 +39,7 @@ class EngineConfig:
     hicache_size: int = 0  # host-memory KV tier in tokens (0: retracted requests are recomputed)
     disable_prefix_caching: bool = False  # the radix cache of finished requests' KV (docs/prefix-cache.md)
     telemetry: bool = True
+    otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/HTTP collector (docs/tracing.md)
     seed: int = 0
     inject: tuple[str, ...] = field(default_factory=tuple)
 

@@ -57,6 +57,7 @@ class Req:
     swa_released_upto: int = 0
     offloaded: object | None = None  # host copy while retracted (HostKV)
     logits: list | None = None  # sampled-token logits when a caller asks for them
+    traceparent: str | None = None  # the client's W3C trace context: its trace continues in ours (tracing)
     # timing
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

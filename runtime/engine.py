@@ -26,6 +26,8 @@ from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch
 from runtime.scheduler.scheduler import Scheduler
+from runtime.tracing import check_endpoint, make_tracer
+from runtime.tracing.reporter import TracingEventReporter
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
 from telemetry.stats import EngineStats
@@ -46,6 +48,8 @@ class Engine:
         """`model` (and `tokenizer`) may be given pre-built, e.g. a test's model with a chosen window. `auto`
         dtype and quantization are resolved first (`EngineConfig.concrete`): `self.cfg` says what runs."""
         self.cfg = cfg = cfg.concrete(model)
+        if cfg.otlp_traces_endpoint is not None:  # before the model loads: a bad URL or a missing SDK fails fast
+            check_endpoint(cfg.otlp_traces_endpoint)
         torch.manual_seed(cfg.seed)
         if model is None:
             _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
@@ -60,13 +64,20 @@ class Engine:
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
                                  gauges=self, dtype=cfg.dtype, quantization=cfg.quantization)
-        self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
-        self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
+        # tracing off: no tracer, and every hook is a None check
+        self.tracer = None
+        if cfg.otlp_traces_endpoint is not None:
+            self.tracer = make_tracer(cfg.otlp_traces_endpoint, self.stats.build_info)
+        limiter = RateLimiter(interval_s=60.0)
+        self.reporter = (EventReporter(self.stats, limiter) if self.tracer is None
+                         else TracingEventReporter(self.stats, limiter, tracer=self.tracer))
+        self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress,
+                                  tracer=self.tracer)
         self.pool = self.runner.pool
         self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size, self.stats),
                              prefix_cache=not cfg.disable_prefix_caching, window=rc.window,
                              stats=self.stats.prefix_cache)
-        self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids)
+        self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids, tracer=self.tracer)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.observer = observer
         self._failure_logs = RateLimiter(interval_s=60.0)  # a failing request per step must not flood the log
@@ -108,6 +119,7 @@ class Engine:
             req_rows=[r.row for r in batch.reqs],
             prefix_lens=list(batch.prefix_lens),
             seq_lens=list(batch.seq_lens),
+            rids=tuple(r.rid for r in batch.reqs) if self.tracer is not None else (),
         )
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
@@ -156,8 +168,10 @@ class Engine:
         return [r.output_ids for r in reqs]
 
     def close(self) -> None:
-        """The engine is done serving: log what the event rate limiter still held back."""
+        """The engine is done serving: log what the event rate limiter still held back, export the spans."""
         self.reporter.flush()
+        if self.tracer is not None:
+            self.tracer.shutdown()
 
     # ---- gauges (read at scrape time) --------------------------------------------------------------------
     def kv_tokens(self) -> dict[tuple[str, str], int]:

@@ -11,6 +11,7 @@ import sys
 
 from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
 from runtime.faults import FAULTS
+from runtime.tracing import PIP_LINE, check_endpoint
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -56,6 +57,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
                    help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
+    g.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry traces (a span per request and per forward) to this OTLP/HTTP "
+                        f"collector, e.g. http://localhost:4318 (needs: {PIP_LINE})")
     g.add_argument("--log-format", choices=("console", "json"), default="console")
     g.add_argument("--log-level", default="WARNING")
 
@@ -107,7 +111,10 @@ def announce_settings(cfg: EngineConfig) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine config the options name, `auto` settings resolved for this CPU (`EngineConfig.concrete`)."""
+    """The engine config the options name, `auto` settings resolved for this CPU (`EngineConfig.concrete`);
+    raises (before any model is loaded) for an option it cannot honour."""
+    if args.otlp_traces_endpoint is not None:
+        check_endpoint(args.otlp_traces_endpoint)
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, compile_decode=args.compile_decode,
         attention_backend=args.attention_backend, loc_cache=args.loc_cache,
@@ -117,5 +124,5 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
         hicache_size=args.hicache_size, disable_prefix_caching=args.disable_prefix_caching, seed=args.seed,
-        inject=tuple(args.inject),
+        inject=tuple(args.inject), otlp_traces_endpoint=args.otlp_traces_endpoint,
     ).concrete()

@@ -19,6 +19,7 @@ class ForwardBatch:
     req_rows: list[int]  # (B,) rows of the request→token table
     prefix_lens: list[int]  # (B,) tokens cached before this forward
     seq_lens: list[int]  # (B,) tokens after this forward
+    rids: tuple[str, ...] = ()  # (B,) request ids, for the forward's trace span (empty: not traced)
 
     @property
     def batch_size(self) -> int:

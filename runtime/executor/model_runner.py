@@ -39,8 +39,10 @@ BRANCHES = (
 
 class ModelRunner:
     def __init__(self, rc: ResolvedConfig, model, stats: EngineStats, reporter, faults: Faults = Faults(),
-                 progress: bool = False):
+                 progress: bool = False, tracer=None):
+        """`tracer`: an EngineTracer that gets a span per forward (None: tracing off)."""
         cfg = rc.engine
+        self.tracer = tracer
         self.cfg = cfg
         self.model = model
         self.model_config = mc = model.config
@@ -96,23 +98,32 @@ class ModelRunner:
 
     def _forward(self, batch: ForwardBatch, mode: str, record: bool = True) -> torch.Tensor:
         self.branch_counts[mode] += 1
-        with self._forward_scope(mode, record) as forward_id:
+        with self._forward_scope(mode, record, batch) as forward_id:
             n = batch.batch_size
             if mode == "graph_replay":
                 batch = self.graphs.load(batch)  # into the static buffers: stable addresses
             return self._run(batch, mode, forward_id)[:n]
 
     @contextmanager
-    def _forward_scope(self, mode: str, record: bool = True) -> Iterator[int]:
-        """One forward: a new id, the pool told (which invalidates), the time recorded if it completes."""
+    def _forward_scope(self, mode: str, record: bool = True, batch: ForwardBatch | None = None) -> Iterator[int]:
+        """One forward: a new id, the pool told (which invalidates), the time recorded if it completes; with
+        tracing, a span linked to the requests of `batch` (a multi-step scope names none)."""
         start = time.perf_counter()
         self._forward_id += 1
+        if self.tracer is not None:
+            self.tracer.begin_forward(self._forward_id, mode, batch)
         self.pool.begin_forward(self._forward_id, mode)
         try:
             with torch.no_grad():  # not inference_mode: tensors created there track no version (the guard)
                 yield self._forward_id
+        except BaseException as exc:
+            if self.tracer is not None:
+                self.tracer.fail_forward(exc)
+            raise
         finally:
             self.pool.end_forward()
+            if self.tracer is not None:
+                self.tracer.end_forward()
         if record and self.cfg.telemetry:
             self.stats.record_forward(mode, time.perf_counter() - start)
 

@@ -31,8 +31,11 @@ from runtime.scheduler.batch import ScheduledBatch
 
 
 class Scheduler:
-    def __init__(self, rc: ResolvedConfig, slots: KVSlots, stats, eos_ids):
+    def __init__(self, rc: ResolvedConfig, slots: KVSlots, stats, eos_ids, tracer=None):
+        """`tracer`: an EngineTracer told of each request's arrival, admission, retraction and end (None:
+        tracing off)."""
         cfg = rc.engine
+        self.tracer = tracer
         self.slots = slots
         self.stats = stats
         self.eos_ids = set(eos_ids)
@@ -73,6 +76,8 @@ class Scheduler:
         req.status = "waiting"
         self.waiting.append(req)
         self.by_rid[req.rid] = req
+        if self.tracer is not None:
+            self.tracer.request_arrived(req)
 
     def abort(self, rid: str, status: str = "aborted", reason: str = "abort", message: str | None = None) -> bool:
         """End a queued or running request now, freeing its slots: by the client (`aborted`) or because the
@@ -196,6 +201,8 @@ class Scheduler:
             r.status = "running"
             self.waiting.popleft()
             self.running.append(r)
+            if self.tracer is not None:
+                self.tracer.request_admitted(r)
 
     # ---- planning ----------------------------------------------------------------------------------------
     def _plan_prefill(self, reqs: list[Req]) -> ScheduledBatch | None:
@@ -275,6 +282,8 @@ class Scheduler:
         else:
             r.swa_released_upto = 0  # recompute from scratch
             self.stats.record_retraction("recompute")
+        if self.tracer is not None:
+            self.tracer.request_retracted(r, "offload" if r.offloaded is not None else "recompute")
         self._free_slots(r)
         r.status = "waiting"
         self.waiting.appendleft(r)
@@ -316,5 +325,7 @@ class Scheduler:
         self.stats.record_request(status)
         if status == "finished":
             self.stats.e2e.observe(time.perf_counter() - r.arrival_time)
+        if self.tracer is not None:
+            self.tracer.request_finished(r)
         if r.on_finish is not None:
             r.on_finish(r)

@@ -57,6 +57,9 @@ OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off 
 RETRY_AFTER_S = "1"
 
 
+TRACEPARENT_MAX_LEN = 55  # version-traceid-parentid-flags: 2 + 1 + 32 + 1 + 16 + 1 + 2
+
+
 def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None) -> FastAPI:
     """The app serving the engine behind `engine_loop` (a thread beside the event loop, or its own process)
     as `model_name`. Its lifespan starts the engine (unless already started) and drains it on shutdown."""
@@ -190,7 +193,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
                                      params.max_new_tokens)
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
         rid = live.add(stream, client_rid)
         if body.stream:
             return SSEResponse(_generate_events(stream, tokenizer, rid), on_close=stream.abort)
@@ -207,7 +210,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
         stops = protocol.stop_strings(body.stop)
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
         rid = live.add(stream, client_rid)
         now = int(time.time())
         if body.stream:
@@ -226,7 +229,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         prompt_ids = await prompt_of(chat.render(body.messages), asked or 1)
         params = body.to_params(asked or context_length - len(prompt_ids))  # default: what the context leaves
         stops = body.stop_strings()
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
         now = int(time.time())
         if body.stream:
             return SSEResponse(chat.chat_events(stream, tokenizer, model_name, now, stops, body.include_usage),
@@ -253,6 +256,13 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         return error(503, why, "service_unavailable")
 
     return app
+
+
+def traceparent_of(request: Request) -> str | None:
+    """The client's W3C `traceparent` header, for the engine's request span to continue its trace (with
+    tracing on; ignored otherwise). A value longer than the format allows is dropped unread."""
+    value = request.headers.get("traceparent")
+    return value if value is not None and len(value) <= TRACEPARENT_MAX_LEN else None
 
 
 def _parse_validate(model: type, raw: bytes) -> Any:

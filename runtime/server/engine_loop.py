@@ -254,8 +254,10 @@ class EngineLoop:
         self.count("rejected")
         return RequestError(message)
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+    async def submit(self, prompt_ids: list[int], params: SamplingParams,
+                     traceparent: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not).
+        `traceparent`: the client's W3C trace context, continued by the request's span when tracing is on."""
         self.check_admission()
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -267,7 +269,7 @@ class EngineLoop:
                 pass
 
         req = Req(list(prompt_ids), params, on_token=lambda r, t: push(t),
-                  on_finish=lambda r: push(self.final_of(r)))
+                  on_finish=lambda r: push(self.final_of(r)), traceparent=traceparent)
         admitted = self.post_add(req)
         try:
             await asyncio.wrap_future(admitted)

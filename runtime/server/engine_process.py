@@ -5,8 +5,8 @@ admission checks, shutdown, queue sizes, the metrics exposition). It spawns a ch
 its main thread and runs the `EngineLoop` there, so every torch operation runs on the one thread that built
 the engine (one OpenMP team). The two talk over a pipe:
 
-    front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("finish", rid, reason) | ("count", status)
-                         | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
+    front end -> engine: ("add", rid, prompt_ids, params, traceparent) | ("abort", rid) | ("finish", rid, reason)
+                         | ("count", status) | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
                          | ("token", rid, id) | ("final", rid, reason, message) | ("queue", running, waiting)
                          | ("reply", token, ok, value)
@@ -147,8 +147,10 @@ class EngineProcess:
         self.count("rejected")
         return RequestError(message)
 
-    async def submit(self, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
-        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not)."""
+    async def submit(self, prompt_ids: list[int], params: SamplingParams,
+                     traceparent: str | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not).
+        `traceparent` travels to the engine process, where the spans are made."""
         self.check_admission()
         req = Req(list(prompt_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
@@ -156,7 +158,7 @@ class EngineProcess:
         with self._lock:
             self._streams[req.rid] = (asyncio.get_running_loop(), queue)
             self._adding[req.rid] = admitted
-        if not self._send(("add", req.rid, req.prompt_ids, params)):
+        if not self._send(("add", req.rid, req.prompt_ids, params, traceparent)):
             self._forget(req.rid)
             raise EngineUnavailable(self.DOWN_MESSAGE)
         try:
@@ -326,7 +328,7 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
             queue_seen[0] = sizes
             send(("queue", *sizes))
 
-    def add(rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add(rid: str, prompt_ids: list[int], params: SamplingParams, traceparent: str | None) -> None:
         def on_token(r: Req, t: int) -> None:
             send(("token", r.rid, t))
             report_queue()
@@ -336,7 +338,7 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
             send(("final", r.rid, final.reason, final.message))
             report_queue()
 
-        req = Req(prompt_ids, params, rid=rid, on_token=on_token, on_finish=on_finish)
+        req = Req(prompt_ids, params, rid=rid, on_token=on_token, on_finish=on_finish, traceparent=traceparent)
         try:
             admitted = loop.post_add(req)
         except EngineUnavailable as exc:
