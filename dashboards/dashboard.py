@@ -359,6 +359,37 @@ def requests() -> list[dict[str, Any]]:
     ]
 
 
+def speculative() -> list[dict[str, Any]]:
+    return [
+        row("Speculative decoding"),
+        timeseries(
+            "Draft acceptance rate",
+            "Draft tokens the target model accepted / draft tokens proposed, by algorithm "
+            "(--speculative-algorithm). Low acceptance makes requests back off from drafting; nothing is drawn "
+            "while speculation is off.",
+            "percentunit",
+            [target(f"sum by (algorithm) ({rate(n.SPEC_ACCEPTED_TOKENS)}) / "
+                    f"(sum by (algorithm) ({rate(n.SPEC_DRAFT_TOKENS)}) > 0)", "{{algorithm}}")],
+        ),
+        timeseries(
+            "Tokens per verify",
+            "Mean tokens one target_verify forward emitted per request (accepted drafts + the target's own): "
+            "above 1 is what speculation gains over one-token decode steps.",
+            "short",
+            [target(f"sum by (algorithm) ({rate(n.SPEC_ACCEPTANCE_LENGTH + '_sum')}) / "
+                    f"(sum by (algorithm) ({rate(n.SPEC_ACCEPTANCE_LENGTH + '_count')}) > 0)", "{{algorithm}}")],
+        ),
+        timeseries(
+            "Draft tokens",
+            "Draft tokens proposed and accepted per second, by algorithm (rejected = proposed - accepted; their "
+            "slots are rolled back at the invalidation site spec_rollback).",
+            "suffix: tok/s",
+            [target(f"sum by (algorithm) ({rate(n.SPEC_DRAFT_TOKENS)})", "proposed {{algorithm}}"),
+             target(f"sum by (algorithm) ({rate(n.SPEC_ACCEPTED_TOKENS)})", "accepted {{algorithm}}")],
+        ),
+    ]
+
+
 def variables() -> list[dict[str, Any]]:
     ds = {"type": "prometheus", "uid": "${datasource}"}
     job_query = f"label_values({n.BUILD_INFO}, job)"
@@ -413,7 +444,7 @@ def variables() -> list[dict[str, Any]]:
 
 def build() -> dict[str, Any]:
     # what users see first (requests, latency, errors), the translation internals below
-    items = requests() + translation_cache() + invalidation_and_events() + forwards() + kv_memory() + prefix_cache()
+    items = requests() + translation_cache() + invalidation_and_events() + forwards() + speculative() + kv_memory() + prefix_cache()
     return {
         "uid": DASHBOARD_UID,
         "title": "swa-runtime: KV location translation",

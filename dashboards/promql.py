@@ -21,6 +21,7 @@ HISTOGRAMS = (
     names.TIME_TO_FIRST_TOKEN,
     names.INTER_TOKEN_LATENCY,
     names.E2E_REQUEST_LATENCY,
+    names.SPEC_ACCEPTANCE_LENGTH,
 )
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 

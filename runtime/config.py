@@ -9,6 +9,7 @@ from telemetry.names import POLICIES
 BACKENDS = ("torch", "triton")
 DTYPES = ("auto", "float32", "bfloat16")  # auto: runtime/auto_settings.py
 QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "suffix")  # draft-free speculative decoding (runtime/speculative/)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,13 @@ class EngineConfig:
     chunked_prefill_size: int = 2048
     hicache_size: int = 0  # host-memory KV tier in tokens (0: retracted requests are recomputed)
     disable_prefix_caching: bool = False  # the radix cache of finished requests' KV (docs/prefix-cache.md)
+    # Speculative decoding: drafts of up to `num_speculative_tokens` tokens from the request's own tokens
+    # (ngram: prompt lookup of the last prompt_lookup_max..min tokens) or from a suffix table that also learns
+    # earlier outputs (suffix), scored by one verify forward per step.
+    speculative_algorithm: str = "none"
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
     telemetry: bool = True
     otlp_traces_endpoint: str | None = None  # OpenTelemetry traces to this OTLP/HTTP collector (docs/tracing.md)
     seed: int = 0
@@ -64,6 +72,14 @@ class EngineConfig:
             raise ValueError(f"--kv-cache-memory must be a positive number of GiB, got {self.kv_cache_memory}")
         if self.hicache_size < 0:
             raise ValueError(f"--hicache-size must be >= 0, got {self.hicache_size}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, "
+                             f"got {self.speculative_algorithm!r}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"--num-speculative-tokens must be within 1..16, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"--prompt-lookup-min/max need 1 <= min <= max, got {self.prompt_lookup_min}, "
+                             f"{self.prompt_lookup_max}")
         if self.chunked_prefill_size < 1 or self.max_running_requests < 1:
             raise ValueError("--chunked-prefill-size and --max-running-requests must be positive")
 

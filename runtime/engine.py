@@ -19,7 +19,7 @@ from runtime.core import Req, SamplingParams
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
-from runtime.layers.sampler import sample
+from runtime.layers.sampler import check_finite, sample, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
 from runtime.models.loader import load_model
@@ -28,6 +28,8 @@ from runtime.scheduler.batch import ScheduledBatch
 from runtime.scheduler.scheduler import Scheduler
 from runtime.tracing import check_endpoint, make_tracer
 from runtime.tracing.reporter import TracingEventReporter
+from runtime.speculative.acceptance import accept_greedy, accept_sampling
+from runtime.speculative.speculator import Speculator
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
 from telemetry.stats import EngineStats
@@ -77,7 +79,12 @@ class Engine:
         self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size, self.stats),
                              prefix_cache=not cfg.disable_prefix_caching, window=rc.window,
                              stats=self.stats.prefix_cache)
-        self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids, tracer=self.tracer)
+        speculator = None
+        if cfg.speculative_algorithm != "none":
+            speculator = Speculator(cfg.speculative_algorithm, cfg.num_speculative_tokens, cfg.prompt_lookup_min,
+                                    cfg.prompt_lookup_max, stats=self.stats.spec)
+        self.scheduler = Scheduler(rc, self.slots, self.stats, self.tokenizer.eos_token_ids, tracer=self.tracer,
+                                   speculator=speculator)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.observer = observer
         self._failure_logs = RateLimiter(interval_s=60.0)  # a failing request per step must not flood the log
@@ -93,9 +100,15 @@ class Engine:
         if batch is None:
             return False
         start = time.perf_counter()
-        logits = self.runner.forward(self._forward_batch(batch))  # (B, vocab)
+        logits = self.runner.forward(self._forward_batch(batch))  # (B, vocab); a verify: (T, vocab)
         seconds = time.perf_counter() - start
-        self.scheduler.process(batch, self._sample(batch, logits))
+        if batch.is_verify:
+            self.scheduler.process_verify(batch, self._accept(batch, logits))
+            for r in batch.reqs:  # emitted tokens past a budget or a stop token were dropped: their logits too
+                if r.logits is not None:
+                    del r.logits[len(r.output_ids):]
+        else:
+            self.scheduler.process(batch, self._sample(batch, logits))
         if self.observer is not None:
             self.observer.after_step(batch, seconds)
         return True
@@ -120,6 +133,7 @@ class Engine:
             prefix_lens=list(batch.prefix_lens),
             seq_lens=list(batch.seq_lens),
             rids=tuple(r.rid for r in batch.reqs) if self.tracer is not None else (),
+            verify=batch.is_verify,
         )
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
@@ -143,6 +157,32 @@ class Engine:
                     self.scheduler.abort(r.rid, status="error", reason="error", message=f"sampling failed: {exc}")
                     tokens.append(-1)  # skipped: the request is done
             return tokens
+
+    def _accept(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[int]]:
+        """Per request of a verify batch, the tokens to emit: greedy requests keep the longest draft prefix
+        the model agrees with plus its own next token (exactly what one-token steps give); sampled requests go
+        through speculative sampling (the target's distribution kept). A request whose logits cannot be
+        sampled ends alone with status `error` (nothing emitted)."""
+        out, offset = [], 0
+        for r, p, s, draft in zip(batch.reqs, batch.prefix_lens, batch.seq_lens, batch.drafts):
+            rows = logits[offset:offset + s - p]  # (1 + len(draft), vocab): position p's logits first
+            offset += s - p
+            try:
+                if r.params.temperature == 0.0:
+                    check_finite(rows)
+                    tokens = accept_greedy(list(draft), rows.argmax(-1).tolist())
+                else:
+                    tokens = accept_sampling(list(draft), token_probabilities(rows, r.params), self.generator)
+            except Exception as exc:  # noqa: BLE001 - fail this request alone, as `_sample` does
+                if self._failure_logs.allow("sampling_failed"):
+                    log.warning("sampling_failed", error=f"{type(exc).__name__}: {exc}")
+                self.scheduler.abort(r.rid, status="error", reason="error", message=f"sampling failed: {exc}")
+                out.append([])
+                continue
+            if r.logits is not None:
+                r.logits.extend(row.float().cpu() for row in rows[:len(tokens)])
+            out.append(tokens)
+        return out
 
     # ---- offline -----------------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],

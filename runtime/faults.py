@@ -21,7 +21,7 @@ FAULTS = {
 # Mapping mutations of the hybrid allocator (register_mapping is the host tier's, with a switch of its own);
 # the prefix cache's eviction and tombstones are frees under their own site names.
 ALLOCATOR_SITES = frozenset({"alloc", "free", "free_swa", "clear", "set_mapping", "clear_swa_mapping",
-                             "prefix_evict", "prefix_tombstone"})
+                             "prefix_evict", "prefix_tombstone", "spec_rollback"})
 # Rebuilt mappings registered after a host load-back: a request's (retraction) or the prefix cache's.
 REGISTER_SITES = frozenset({"register_mapping", "prefix_loadback"})
 

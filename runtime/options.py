@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, EngineConfig
+from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS, EngineConfig
 from runtime.faults import FAULTS
 from runtime.tracing import PIP_LINE, check_endpoint
 
@@ -54,6 +54,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "nodes evicted from the device (0: recompute, drop)")
     g.add_argument("--disable-prefix-caching", action="store_true",
                    help="prefill every prompt in full (no radix cache of finished requests' KV)")
+    g.add_argument("--speculative-algorithm", choices=SPECULATIVE_ALGORITHMS, default=d.speculative_algorithm,
+                   help="draft tokens without a draft model and verify them in one forward: ngram (prompt lookup "
+                        "in the request's own tokens) or suffix (also learns earlier outputs); none (default)")
+    g.add_argument("--num-speculative-tokens", type=int, default=d.num_speculative_tokens,
+                   help="most draft tokens per request and step")
+    g.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min,
+                   help="shortest suffix (tokens) the ngram drafter looks up")
+    g.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max,
+                   help="longest suffix (tokens) the ngram drafter looks up")
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument("--inject", action="append", default=[], choices=sorted(FAULTS), metavar="FAULT",
                    help=f"reintroduce a historical bug (repeatable): {', '.join(FAULTS)}")
@@ -124,5 +133,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory=args.kv_cache_memory,
         context_length=args.context_length, chunked_prefill_size=args.chunked_prefill_size,
         hicache_size=args.hicache_size, disable_prefix_caching=args.disable_prefix_caching, seed=args.seed,
+        speculative_algorithm=args.speculative_algorithm, num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         inject=tuple(args.inject), otlp_traces_endpoint=args.otlp_traces_endpoint,
     ).concrete()

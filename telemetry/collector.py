@@ -36,6 +36,7 @@ class TelemetryCollector:
         yield from self._kv()
         yield from self._prefix_cache()
         yield from self._requests()
+        yield from self._speculative()
         yield from self._logging_and_build()
 
     def _policies(self) -> Iterator[TranslationStats]:
@@ -168,6 +169,9 @@ class TelemetryCollector:
         yield GaugeMetricFamily(names.NUM_RUNNING_REQS, "Requests in the running batch.", value=running)
         yield GaugeMetricFamily(names.NUM_QUEUE_REQS, "Requests waiting to be scheduled.", value=queued)
 
+    def _speculative(self) -> Iterator[Metric]:
+        yield from _spec_families(self._stats.spec)
+
     def _logging_and_build(self) -> Iterator[Metric]:
         s = self._stats
         suppressed = CounterMetricFamily(
@@ -186,6 +190,22 @@ class TelemetryCollector:
 
 def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+def _spec_families(spec) -> Iterator[Metric]:
+    draft = CounterMetricFamily(names.SPEC_DRAFT_TOKENS, "Draft tokens proposed for verification, by algorithm.",
+                                labels=["algorithm"])
+    accepted = CounterMetricFamily(names.SPEC_ACCEPTED_TOKENS, "Draft tokens the target model accepted, by "
+                                   "algorithm (rejected = proposed - accepted).", labels=["algorithm"])
+    length = HistogramMetricFamily(names.SPEC_ACCEPTANCE_LENGTH, "Tokens one verify forward emitted for a "
+                                   "request: accepted draft tokens plus the target's own.", labels=["algorithm"])
+    for algorithm in names.SPEC_ALGORITHMS:
+        draft.add_metric([algorithm], spec.draft_tokens[algorithm])
+        accepted.add_metric([algorithm], spec.accepted_tokens[algorithm])
+        _add_histogram(length, [algorithm], spec.acceptance_length[algorithm])
+    yield draft
+    yield accepted
+    yield length
 
 
 def _add_histogram(family: HistogramMetricFamily, labels: list[str], hist: PlainHistogram) -> None:

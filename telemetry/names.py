@@ -41,6 +41,11 @@ E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"
 NUM_RUNNING_REQS = PREFIX + "num_running_reqs"
 NUM_QUEUE_REQS = PREFIX + "num_queue_reqs"
 
+# Speculative decoding (draft-free: n-gram prompt lookup, suffix table)
+SPEC_DRAFT_TOKENS = PREFIX + "spec_draft_tokens_total"
+SPEC_ACCEPTED_TOKENS = PREFIX + "spec_accepted_tokens_total"
+SPEC_ACCEPTANCE_LENGTH = PREFIX + "spec_acceptance_length"
+
 # Logging and build
 LOG_EVENTS_SUPPRESSED = PREFIX + "log_events_suppressed_total"
 BUILD_INFO = PREFIX + "build_info"
@@ -48,7 +53,7 @@ BUILD_INFO = PREFIX + "build_info"
 # Closed label value sets. Unknown values fold into OTHER.
 OTHER = "other"
 POLICIES = ("memo", "layerwise", "per_forward", "off")
-PATHS = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "none")
+PATHS = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "target_verify", "none")
 MISS_REASONS = ("cold", "invalidated", "key_changed", "stale_guard", "capture")
 CLASSIFICATIONS = (
     "benign_fresh_tensor",
@@ -71,6 +76,7 @@ INVALIDATION_SITES = (
     "prefix_evict",
     "prefix_tombstone",
     "prefix_loadback",
+    "spec_rollback",
     "forward_entry",
     "graph_capture",
     "manual",
@@ -78,7 +84,7 @@ INVALIDATION_SITES = (
 )
 # Where a translation is asked for.
 TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", OTHER)
-FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay")
+FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "target_verify")
 KV_POOLS = ("full", "swa")
 KV_STATES = ("used", "available", "total")
 # finished; aborted (by the client, or cut by shutdown); rejected (invalid, at admission); refused (overload:
@@ -93,6 +99,8 @@ HICACHE_DIRECTIONS = ("offload", "loadback")
 # freed), or copied to the host tier (`host`). A gauge read from the tree: no `other`.
 PREFIX_NODE_STATES = ("device", "tombstoned", "host")
 LOG_EVENT_NAMES = ("loc_key_change", "engine_step_failed", OTHER)
+# How drafts are proposed (`--speculative-algorithm`, `none` exports nothing but the zero series).
+SPEC_ALGORITHMS = ("ngram", "suffix")
 
 
 def fold(value: str, allowed: tuple[str, ...]) -> str:

@@ -106,6 +106,30 @@ class PrefixCacheStats:
         self.hit_tokens += hit
 
 
+# Tokens a verify forward emits for one request: the accepted draft tokens plus the target's own (1..K+1).
+ACCEPTANCE_LENGTH_BUCKETS = tuple(float(n) for n in range(1, 18))
+
+
+class SpecStats:
+    """Speculative decoding per algorithm: draft tokens proposed and accepted (rejected = the difference),
+    and tokens emitted per request per verify forward."""
+
+    __slots__ = ("draft_tokens", "accepted_tokens", "acceptance_length")
+
+    def __init__(self):
+        self.draft_tokens: dict[str, int] = dict.fromkeys(names.SPEC_ALGORITHMS, 0)
+        self.accepted_tokens: dict[str, int] = dict.fromkeys(names.SPEC_ALGORITHMS, 0)
+        self.acceptance_length = {a: PlainHistogram(ACCEPTANCE_LENGTH_BUCKETS) for a in names.SPEC_ALGORITHMS}
+
+    def record_verify(self, algorithm: str, drafted: int, accepted: int) -> None:
+        """One request's verify: `drafted` tokens proposed, `accepted` of them kept (plus the target's own)."""
+        if algorithm not in self.draft_tokens:
+            return  # `none` never verifies; an unknown name has no series to count in
+        self.draft_tokens[algorithm] += drafted
+        self.accepted_tokens[algorithm] += accepted
+        self.acceptance_length[algorithm].observe(accepted + 1)
+
+
 class HistogramSnapshot(NamedTuple):
     buckets: tuple[tuple[float, int], ...]  # (upper bound, cumulative count), ending with (+inf, count)
     count: int
@@ -204,6 +228,7 @@ class EngineStats:
         self.retraction_counts: dict[str, int] = dict.fromkeys(names.RETRACTION_KIND_LABELS, 0)
         self.hicache_bytes: dict[str, int] = dict.fromkeys(names.HICACHE_DIRECTION_LABELS, 0)
         self.prefix_cache = PrefixCacheStats()
+        self.spec = SpecStats()
         self.request_counts: dict[str, int] = dict.fromkeys(names.REQUEST_STATUS_LABELS, 0)
         self.prompt_tokens = 0
         self.generation_tokens = 0

@@ -20,6 +20,7 @@ class ForwardBatch:
     prefix_lens: list[int]  # (B,) tokens cached before this forward
     seq_lens: list[int]  # (B,) tokens after this forward
     rids: tuple[str, ...] = ()  # (B,) request ids, for the forward's trace span (empty: not traced)
+    verify: bool = False  # a speculative verify: logits at every new token, not only each request's last
 
     @property
     def batch_size(self) -> int:
@@ -32,6 +33,11 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def logit_index(self) -> torch.Tensor | None:
+        """Rows of the flattened T whose logits the forward returns: each request's last new token, or every
+        token for a verify (None: all rows)."""
+        return None if self.verify else self.last_token_index()
 
     def last_token_index(self) -> torch.Tensor:
         """(B,) index of each request's last new token in the flattened T (its logits sample the next)."""

@@ -34,6 +34,7 @@ BRANCHES = (
     "graph_replay",  # decode over the static buffers of a captured batch size
     "graph_capture",  # warm-up and capture runs at start-up
     "multi_step",  # several decode steps inside one forward
+    "target_verify",  # a speculative step: each request's last token and its draft, scored in one forward
 )
 
 
@@ -81,8 +82,10 @@ class ModelRunner:
 
     # ---- forwards ----------------------------------------------------------------------------------------
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """Logits (B, vocab) float32 at each request's last new token."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        """Logits (B, vocab) float32 at each request's last new token; (T, vocab) at every token of a verify."""
+        if batch.verify:
+            mode = "target_verify"
+        elif self.graphs is not None and self.graphs.can_run(batch):
             mode = "graph_replay"
         else:
             mode = "eager_decode" if batch.is_decode else "eager_extend"
@@ -99,10 +102,11 @@ class ModelRunner:
     def _forward(self, batch: ForwardBatch, mode: str, record: bool = True) -> torch.Tensor:
         self.branch_counts[mode] += 1
         with self._forward_scope(mode, record, batch) as forward_id:
-            n = batch.batch_size
             if mode == "graph_replay":
+                n = batch.batch_size
                 batch = self.graphs.load(batch)  # into the static buffers: stable addresses
-            return self._run(batch, mode, forward_id)[:n]
+                return self._run(batch, mode, forward_id)[:n]  # the padded rows' logits dropped
+            return self._run(batch, mode, forward_id)
 
     @contextmanager
     def _forward_scope(self, mode: str, record: bool = True, batch: ForwardBatch | None = None) -> Iterator[int]:
@@ -133,7 +137,8 @@ class ModelRunner:
         with forward_context(ctx, bind_logging=self.cfg.telemetry):
             self.backend.init_forward_metadata(batch)
             hidden = self.model(batch.input_ids, batch.positions)  # (T, hidden)
-            return self.model.compute_logits(hidden[batch.last_token_index()])  # (B, vocab)
+            rows = batch.logit_index()
+            return self.model.compute_logits(hidden if rows is None else hidden[rows])  # (B or T, vocab)
 
     def _capture(self, progress: bool) -> None:
         """Warm up and capture every decode batch size over the padding sink (each run a forward)."""

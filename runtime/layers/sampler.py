@@ -35,16 +35,36 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
         if p.temperature == 0.0:
             out.append(greedy[i])
             continue
-        # float64: a temperature below float32's smallest subnormal (e.g. 5e-324) would round to 0 there
-        row = (row.double() - row.max()) / p.temperature  # <= 0, the top token at exactly 0; others may be -inf
-        if p.top_k:
-            kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        if p.top_p < 1.0:
-            sorted_p, order = probs.sort(descending=True)
-            drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # never the first: its exclusive sum is 0
-            sorted_p[drop] = 0.0
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
-        out.append(int(torch.multinomial(probs, 1, generator=generator)))
+        out.append(int(torch.multinomial(_probabilities(row, p), 1, generator=generator)))
     return out
+
+
+def check_finite(logits: torch.Tensor) -> None:
+    """Raise SamplingError unless every row of `logits` (N, vocab) has a finite maximum."""
+    bad = ~torch.isfinite(logits.float().max(-1).values)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().tolist()
+        raise SamplingError(f"non-finite logits in row(s) {rows} of {logits.shape[0]}: nothing to sample from")
+
+
+def token_probabilities(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """(N, vocab) float64 probabilities that sampling with `p` (temperature > 0) draws from, per row: what
+    speculative sampling holds draft tokens against."""
+    check_finite(logits)
+    return torch.stack([_probabilities(row, p) for row in logits.float()])
+
+
+def _probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One row's sampling distribution under temperature, top-k and top-p."""
+    # float64: a temperature below float32's smallest subnormal (e.g. 5e-324) would round to 0 there
+    row = (row.double() - row.max()) / p.temperature  # <= 0, the top token at exactly 0; others may be -inf
+    if p.top_k:
+        kth = torch.topk(row, min(p.top_k, row.numel())).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        drop = sorted_p.cumsum(0) - sorted_p > p.top_p  # never the first: its exclusive sum is 0
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return probs

@@ -31,9 +31,10 @@ from runtime.scheduler.batch import ScheduledBatch
 
 
 class Scheduler:
-    def __init__(self, rc: ResolvedConfig, slots: KVSlots, stats, eos_ids, tracer=None):
+    def __init__(self, rc: ResolvedConfig, slots: KVSlots, stats, eos_ids, tracer=None, speculator=None):
         """`tracer`: an EngineTracer told of each request's arrival, admission, retraction and end (None:
-        tracing off)."""
+        tracing off). `speculator` (runtime/speculative/speculator.py): draft tokens for decode steps, verified
+        in one forward; None decodes one token a step."""
         cfg = rc.engine
         self.tracer = tracer
         self.slots = slots
@@ -49,6 +50,7 @@ class Scheduler:
         self.running: list[Req] = []  # admitted: they hold a request row and KV slots
         self.by_rid: dict[str, Req] = {}
         self.holds: dict[Req, PrefixMatch] = {}  # cached prefixes held by running requests (the cache's slots)
+        self.speculator = speculator
 
     # ---- requests ----------------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -134,22 +136,66 @@ class Scheduler:
         now = time.perf_counter()
         for i, t in zip(batch.sample, tokens):
             r = batch.reqs[i]
-            if r.done:  # ended while its token was being sampled (e.g. a failed sample)
+            if not r.done:  # it may have ended while its token was being sampled (e.g. a failed sample)
+                self._append(r, t, now)
+
+    def process_verify(self, batch: ScheduledBatch, emitted: list[list[int]]) -> None:
+        """After a verify forward: per request, the tokens acceptance emitted (the accepted draft prefix and
+        the target's own token). Tokens past the request's budget or its stop token are dropped; the slots of
+        every input token whose KV is not kept are rolled back before the window moves on."""
+        kept = []
+        for r, p, d, tokens in zip(batch.reqs, batch.prefix_lens, batch.drafts, emitted):
+            if r.done:
+                kept.append([])
                 continue
-            r.output_ids.append(t)
-            if r.first_token_time is None:
-                r.first_token_time = now
-                self.stats.ttft.observe(now - r.arrival_time)
-            else:
-                self.stats.itl.observe(now - r.last_token_time)
-            r.last_token_time = now
-            self.stats.add_generation_tokens(1)
-            if r.on_token is not None:
-                r.on_token(r, t)
-            if len(r.output_ids) >= r.params.max_new_tokens:
-                self._finish(r, "finished", "length")
-            elif t in self.eos_ids and not r.params.ignore_eos:
-                self._finish(r, "finished", "stop")
+            self.speculator.record(r, len(d), len(tokens) - 1)  # acceptance emits the accepted drafts + one
+            tokens = self._emittable(r, tokens)
+            kept.append(tokens)
+            self._roll_back(r, p + len(tokens))
+        self._release_window(batch.reqs)
+        now = time.perf_counter()
+        for r, tokens in zip(batch.reqs, kept):
+            for t in tokens:
+                if r.done or self._append(r, t, now):
+                    break
+
+    def _emittable(self, r: Req, tokens: list[int]) -> list[int]:
+        """The prefix of `tokens` the request takes: up to its token budget, through its first stop token."""
+        room = r.params.max_new_tokens - len(r.output_ids)
+        out = []
+        for t in tokens[:max(room, 0)]:
+            out.append(t)
+            if t in self.eos_ids and not r.params.ignore_eos:
+                break
+        return out
+
+    def _roll_back(self, r: Req, keep: int) -> None:
+        """Keep the KV of positions 0..keep-1: free the request's later slots (rejected drafts) on both pools,
+        whole pages only (a page the kept tokens still use stays held; its later slots are written again by
+        the next step), through the allocator's hooked free at the `spec_rollback` site."""
+        ps = self.slots.page_size
+        cut = -(-keep // ps) * ps
+        if cut < len(r.locs):
+            self.slots.free(r.locs[cut:], site="spec_rollback")
+        del r.locs[keep:]
+
+    def _append(self, r: Req, t: int, now: float) -> bool:
+        """Give the request its next token (timing, callbacks, finishing); True when it is done."""
+        r.output_ids.append(t)
+        if r.first_token_time is None:
+            r.first_token_time = now
+            self.stats.ttft.observe(now - r.arrival_time)
+        else:
+            self.stats.itl.observe(now - r.last_token_time)
+        r.last_token_time = now
+        self.stats.add_generation_tokens(1)
+        if r.on_token is not None:
+            r.on_token(r, t)
+        if len(r.output_ids) >= r.params.max_new_tokens:
+            self._finish(r, "finished", "length")
+        elif t in self.eos_ids and not r.params.ignore_eos:
+            self._finish(r, "finished", "stop")
+        return r.done
 
     def assert_idle_clean(self) -> None:
         """Both pools fully free, no mapping entry, no request row held (for tests and diagnostics)."""
@@ -229,18 +275,35 @@ class Scheduler:
         return self._batch(chosen, False, prefix, seq, locs, sample)
 
     def _plan_decode(self, reqs: list[Req]) -> ScheduledBatch | None:
+        """One decode step for `reqs`, with drafts to verify when speculating (without them if the pools
+        cannot hold them); the newest request is retracted while not even one token each fits."""
         reqs = list(reqs)
         while reqs:
             prefix = [r.cached for r in reqs]
+            last = [r.locs[-1] for r in reqs]
+            drafts = self._drafts(reqs)
+            if drafts:
+                seq = [p + 1 + len(d) for p, d in zip(prefix, drafts)]
+                locs = self.slots.alloc_extend(prefix, seq, last)
+                if locs is not None:
+                    return self._batch(reqs, False, prefix, seq, locs, tuple(range(len(reqs))), drafts)
             seq = [p + 1 for p in prefix]
-            locs = self.slots.alloc_extend(prefix, seq, [r.locs[-1] for r in reqs])
+            locs = self.slots.alloc_extend(prefix, seq, last)
             if locs is not None:
                 return self._batch(reqs, True, prefix, seq, locs, tuple(range(len(reqs))))
             self._retract(reqs.pop())  # the newest admitted
         return None
 
+    def _drafts(self, reqs: list[Req]) -> tuple[tuple[int, ...], ...]:
+        """Per request the draft to verify (empty: decode it plainly); () when no request has one. A draft
+        never asks for more tokens than the request may still emit, less the target's own."""
+        if self.speculator is None:
+            return ()
+        drafts = tuple(self.speculator.draft(r, r.params.max_new_tokens - len(r.output_ids) - 1) for r in reqs)
+        return drafts if any(drafts) else ()
+
     def _batch(self, reqs: list[Req], is_decode: bool, prefix: list[int], seq: list[int], locs: list[int],
-               sample: tuple[int, ...]) -> ScheduledBatch:
+               sample: tuple[int, ...], drafts: tuple[tuple[int, ...], ...] = ()) -> ScheduledBatch:
         """Record the new slots on each request (its one record of them) and describe the forward."""
         fresh = tuple(r.row_fresh for r in reqs)
         offset = 0
@@ -248,7 +311,7 @@ class Scheduler:
             r.locs.extend(locs[offset:offset + s - p])
             offset += s - p
             r.row_fresh = False
-        return ScheduledBatch(tuple(reqs), is_decode, tuple(prefix), tuple(seq), tuple(locs), sample, fresh)
+        return ScheduledBatch(tuple(reqs), is_decode, tuple(prefix), tuple(seq), tuple(locs), sample, fresh, drafts)
 
     # ---- slots -------------------------------------------------------------------------------------------
     def _release_window(self, reqs) -> None:
@@ -322,6 +385,8 @@ class Scheduler:
             r.offloaded = None
         r.status, r.finish_reason = status, reason
         self.by_rid.pop(r.rid, None)
+        if self.speculator is not None:
+            self.speculator.finish(r)
         self.stats.record_request(status)
         if status == "finished":
             self.stats.e2e.observe(time.perf_counter() - r.arrival_time)

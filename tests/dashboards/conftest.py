@@ -67,6 +67,10 @@ class FakeRuntime:
         self.running = Gauge(n.NUM_RUNNING_REQS, "running", registry=r)
         self.queued = Gauge(n.NUM_QUEUE_REQS, "queued", registry=r)
         self.suppressed = Counter(n.LOG_EVENTS_SUPPRESSED, "suppressed", ["event"], registry=r)
+        self.spec_draft = Counter(n.SPEC_DRAFT_TOKENS, "drafted", ["algorithm"], registry=r)
+        self.spec_accepted = Counter(n.SPEC_ACCEPTED_TOKENS, "accepted", ["algorithm"], registry=r)
+        self.spec_length = Histogram(n.SPEC_ACCEPTANCE_LENGTH, "per verify", ["algorithm"], registry=r,
+                                     buckets=[float(i) for i in range(1, 18)])
         build = Gauge(n.BUILD_INFO, "build", ["version", "model", "policy", "backend", "dtype", "quantization"],
                       registry=r)
         build.labels("0.1.0", "gemma3-270m", "memo", "torch", "bfloat16", "int8-head").set(1)
@@ -132,6 +136,11 @@ class FakeRuntime:
             self.retractions.labels("offload").inc()
             self.host_bytes.labels("offload").inc(1 << 20)
             self.host_bytes.labels("loadback").inc(1 << 19)
+        # ngram speculation: 4-token drafts, half accepted; each verify emits 3 tokens
+        self.spec_draft.labels("ngram").inc(4 * f)
+        self.spec_accepted.labels("ngram").inc(2 * f)
+        for _ in range(f):
+            self.spec_length.labels("ngram").observe(3)
         # a multi-turn chat: 3 of every 4 prompt tokens were cached by an earlier turn
         self.prefix_queries.inc(64)
         self.prefix_hits.inc(48)

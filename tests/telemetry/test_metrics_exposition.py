@@ -46,6 +46,8 @@ LABELLED_COUNTERS = {
     names.HICACHE_BYTES: series(("direction",), names.HICACHE_DIRECTION_LABELS),
     names.PREFIX_CACHE_EVICTED_TOKENS: series(("pool",), names.KV_POOLS),  # written by the cache only: no other
     names.LOG_EVENTS_SUPPRESSED: series(("event",), names.LOG_EVENT_LABELS),
+    names.SPEC_DRAFT_TOKENS: series(("algorithm",), names.SPEC_ALGORITHMS),  # a closed set: no other
+    names.SPEC_ACCEPTED_TOKENS: series(("algorithm",), names.SPEC_ALGORITHMS),
 }
 PLAIN_COUNTERS = (
     names.SWA_EVICTED_TOKENS,
@@ -118,9 +120,9 @@ def test_metric_types_and_no_foreign_metrics(registry):
         assert t[name.removesuffix("_total")] == "counter", name
     for name in (*GAUGES, names.BUILD_INFO):
         assert t[name] == "gauge", name
-    for name in (names.FORWARD_SECONDS, *LATENCY_HISTOGRAMS):
+    for name in (names.FORWARD_SECONDS, *LATENCY_HISTOGRAMS, names.SPEC_ACCEPTANCE_LENGTH):
         assert t[name] == "histogram", name
-    assert len(t) == len(LABELLED_COUNTERS) + len(PLAIN_COUNTERS) + len(GAUGES) + 1 + 1 + len(LATENCY_HISTOGRAMS)
+    assert len(t) == len(LABELLED_COUNTERS) + len(PLAIN_COUNTERS) + len(GAUGES) + 1 + 2 + len(LATENCY_HISTOGRAMS)
     assert all(n.startswith(names.PREFIX) for n in t)
 
 
@@ -216,6 +218,7 @@ def test_exact_values_after_a_scripted_run(stats, registry, gauges):
         (("mode", "eager_decode"),): 2.0,
         (("mode", "graph_capture"),): 0.0,
         (("mode", "graph_replay"),): 0.0,
+        (("mode", "target_verify"),): 0.0,
         (("mode", "other"),): 1.0,
     }
     assert value(names.FORWARD_SECONDS + "_count", mode="eager_decode") == 2
@@ -284,3 +287,19 @@ def test_latency_histogram_is_cumulative(stats, registry):
     # The other latency histograms did not move.
     assert s[names.INTER_TOKEN_LATENCY + "_count"] == {(): 0.0}
     assert s[names.E2E_REQUEST_LATENCY + "_count"] == {(): 0.0}
+
+
+def test_speculative_decoding_counts_per_algorithm(stats, registry):
+    stats.spec.record_verify("ngram", drafted=4, accepted=3)
+    stats.spec.record_verify("ngram", drafted=4, accepted=0)
+    stats.spec.record_verify("suffix", drafted=2, accepted=2)
+    stats.spec.record_verify("none", drafted=5, accepted=5)  # no series of its own: not counted
+    samples = scrape(registry)
+    assert samples[names.SPEC_DRAFT_TOKENS] == {(("algorithm", "ngram"),): 8.0, (("algorithm", "suffix"),): 2.0}
+    assert samples[names.SPEC_ACCEPTED_TOKENS] == {(("algorithm", "ngram"),): 3.0, (("algorithm", "suffix"),): 2.0}
+    h = names.SPEC_ACCEPTANCE_LENGTH
+    assert samples[h + "_count"] == {(("algorithm", "ngram"),): 2.0, (("algorithm", "suffix"),): 1.0}
+    assert samples[h + "_sum"] == {(("algorithm", "ngram"),): 5.0, (("algorithm", "suffix"),): 3.0}  # 4 + 1, 3
+    assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "1.0"))] == 1.0
+    assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "3.0"))] == 1.0
+    assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "4.0"))] == 2.0
