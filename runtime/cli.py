@@ -10,6 +10,7 @@ from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
 from runtime.fleet import add_fleet_args
 from runtime.options import add_engine_args, engine_config
+from runtime.server.openai_options import add_openai_args
 from runtime.server.options import add_server_args
 
 
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM/SIGINT, let running requests finish this long, then abort them")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     add_server_args(serve)
+    add_openai_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     fleet = sub.add_parser("fleet", help="N serve replicas on loopback behind the SGLang router, supervised")

@@ -41,7 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
                    help="SWA pool size as a fraction of the full pool")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                   metavar="TOKENS", help="the longest prompt + output served (default: the model's); "
+                   "--max-model-len is vLLM's name for it")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     g.add_argument("--hicache-size", type=int, default=d.hicache_size,
                    help="host-memory KV tier in tokens for requests retracted under pool pressure and prefix-cache "

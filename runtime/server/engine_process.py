@@ -8,7 +8,7 @@ the engine (one OpenMP team). The two talk over a pipe:
     front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("finish", rid, reason) | ("count", status)
                          | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
-                         | ("token", rid, id) | ("final", rid, reason, message) | ("queue", running, waiting)
+                         | ("token", rid, id, logprob or None) | ("final", rid, reason, message) | ("queue", running, waiting)
                          | ("reply", token, ok, value)
 
 Metrics are counted in the engine process and rendered there at scrape time, by its pipe reader (the engine
@@ -234,6 +234,8 @@ class EngineProcess:
         kind = message[0]
         if kind == "token":
             self._push(message[1], message[2])
+            if message[3] is not None:
+                self._push(message[1], message[3])
         elif kind == "final":
             _, rid, reason, text = message
             self._push(rid, _Final(reason, text))
@@ -328,7 +330,7 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
 
     def add(rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         def on_token(r: Req, t: int) -> None:
-            send(("token", r.rid, t))
+            send(("token", r.rid, t, r.output_logprobs[-1] if r.params.logprobs is not None else None))
             report_queue()
 
         def on_finish(r: Req) -> None:

@@ -18,7 +18,9 @@ import sys
 import uvicorn
 
 from runtime.options import engine_config
+from runtime.server.chat_template import ChatPrompt
 from runtime.server.engine_process import EngineProcess
+from runtime.server.openai_options import OpenAIOptions
 from runtime.server.options import ServerOptions
 
 
@@ -51,12 +53,15 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging(args.log_format, args.log_level, instance=instance)
     cfg = engine_config(args)
     opts = ServerOptions.from_args(args)
+    api = OpenAIOptions.from_args(args)
     model_name = resolve_model(cfg.model).name
-    engine_loop = EngineProcess(cfg, load_tokenizer(cfg.model), max_queued_requests=opts.max_queued_requests,
+    tokenizer = load_tokenizer(cfg.model)
+    chat_prompt = ChatPrompt.load(api.chat_template, cfg.model, tokenizer)
+    engine_loop = EngineProcess(cfg, tokenizer, max_queued_requests=opts.max_queued_requests,
                                 log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level,
                                 instance=instance)
     engine_loop.start()  # returns once the engine process has built the engine
-    app = create_app(engine_loop, model_name=model_name, options=opts)
+    app = create_app(engine_loop, model_name=model_name, options=opts, openai=api, chat_prompt=chat_prompt)
     config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
     server = _DrainingServer(config, engine_loop, opts.shutdown_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
