@@ -26,6 +26,7 @@ from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch
 from runtime.scheduler.scheduler import Scheduler
+from runtime.startup import announce
 from telemetry.logging import EventReporter
 from telemetry.ratelimit import RateLimiter
 from telemetry.stats import EngineStats
@@ -47,6 +48,8 @@ class Engine:
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         if model is None:
+            if progress:
+                announce(f"loading the weights of {cfg.model} ({cfg.dtype}, quantization {cfg.quantization})")
             _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
                                   quantization=cfg.quantization, compile_layers=cfg.compile_decode)
         elif (getattr(model, "quantization", "none"), getattr(model, "layers_compiled", False)) != (
@@ -60,6 +63,8 @@ class Engine:
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
                                  gauges=self)
         self.reporter = EventReporter(self.stats, RateLimiter(interval_s=60.0))
+        if progress:
+            announce("allocating the KV pools" + ("; warm-up and decode graph capture" if cfg.graphs else ""))
         self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress)
         self.pool = self.runner.pool
         self.slots = KVSlots(self.pool.allocator, HostKVCache(self.pool, cfg.hicache_size, self.stats),

@@ -78,18 +78,19 @@ def memory_gib(text: str) -> float:
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine options of `args` as command-line flags (those that differ from the defaults), to start
-    another process (`swa-runtime serve`) with the same engine."""
+    another process (`swa-runtime serve`) with the same engine. Every engine option is spelt `--` + its
+    dest with dashes; booleans are switches, lists repeat their flag."""
     probe = argparse.ArgumentParser(add_help=False)
     add_engine_args(probe)
     argv: list[str] = []
-    for action in probe._actions:  # NOTE: argparse offers no public list of a parser's options
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
+    for dest, default in vars(probe.parse_args([])).items():
+        value = getattr(args, dest, default)
+        if value == default:
             continue
-        flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        elif isinstance(action, argparse._AppendAction):
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(default, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, list):
             argv += [x for v in value for x in (flag, str(v))]
         else:
             argv += [flag, str(value)]

@@ -90,6 +90,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     app = FastAPI(title="swa-runtime", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop = engine_loop
+    app.state.model_name = model_name
     if opts.allowed_origins:  # answer the CORS preflights of the origins allowed (the guard refuses others)
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "Authorization"])
