@@ -63,10 +63,17 @@ EXTRAS = {"serve": [("fastapi", "server"), ("uvicorn", "server")],
 
 def require_extras(command: str) -> None:
     """Fail at once, with the pip line, when a module `command` needs is not installed."""
-    missing = sorted({extra for module, extra in EXTRAS[command] if importlib.util.find_spec(module) is None})
+    missing = sorted({extra for module, extra in EXTRAS[command] if not _installed(module)})
     if missing:
         raise RuntimeError(f"`swa-runtime {command}` needs the {', '.join(missing)} extra: "
                            f"pip install 'swa-runtime[{','.join(missing)}]'")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: present in sys.modules as None (blocked)
+        return False
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -140,3 +140,31 @@ def test_ctrl_c_while_assembling_the_model_exits_130_quietly(tmp_path):
     assert proc.returncode == 130, "".join(lines) + rest
     assert "Traceback" not in rest and rest.strip().splitlines()[-1] == "swa-runtime: interrupted"
     assert not [p.name for p in (tmp_path / "models").iterdir()]  # no partial file left to trust later
+
+
+def run_without(module: str, *argv: str) -> tuple[subprocess.CompletedProcess, float]:
+    """The CLI in a Python where `module` cannot be imported (as if its extra were not installed)."""
+    code = (f"import sys; sys.modules[{module!r}] = None; from runtime.cli import main; "
+            f"sys.exit(main({list(argv)!r}))")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize("module, argv, line", [
+    ("sglang_router", ["fleet", "--model", "tiny"],
+     "error: `swa-runtime fleet` needs the fleet extra: pip install 'swa-runtime[fleet]'"),
+    ("httpx", ["bench", "--serve", "--model", "tiny"],
+     "error: `swa-runtime bench --serve` needs the bench extra: pip install 'swa-runtime[bench]'"),
+    ("uvicorn", ["serve", "--model", "tiny", "--port", "0"],
+     "error: `swa-runtime serve` needs the server extra: pip install 'swa-runtime[server]'"),
+    ("triton", ["generate", "--model", "tiny", "--attention-backend", "triton", "--prompt", "hi"],
+     "error: the triton attention backend needs triton: pip install 'swa-runtime[triton]' (or use "
+     "--attention-backend torch)"),
+])
+def test_a_missing_extra_fails_fast_with_the_pip_line(module, argv, line):
+    proc, took = run_without(module, *argv)
+    assert proc.returncode == 2, proc.stderr
+    assert error_line(proc) == line
+    if argv[0] != "generate":  # the others fail before loading anything
+        assert took < 10
