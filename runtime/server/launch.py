@@ -7,9 +7,10 @@ bar, warm-up and graph capture), then the line that says where it listens and wh
 This process is the front end: it tokenizes, streams and serves `/metrics`; the engine process does every
 forward on its own main thread (`runtime/server/engine_process.py`).
 
-On the first SIGTERM or SIGINT the engine stops admitting (new requests get 503), running requests may
-finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503
-or, streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
+On the first SIGTERM or SIGINT the engine stops admitting and uvicorn stops listening (new connections are
+refused; a new request on a connection already open gets 503), running requests may finish for
+`--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503 or,
+streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
 second SIGINT forces uvicorn to quit at once. Limits and site checks: `runtime/server/options.py`.
 """
 

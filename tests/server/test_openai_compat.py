@@ -241,3 +241,14 @@ def test_the_models_own_template_is_found(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0].content }}"}))
     assert model_chat_template(tmp_path) == "{{ messages[0].content }}"
     assert model_chat_template("tiny") is None
+    gguf = pytest.importorskip("gguf")
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "gemma3")
+    writer.add_chat_template("{{ bos_token }}<q>{{ messages[0].content }}</q>")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    template = model_chat_template(tmp_path / "t.gguf")
+    assert template == "{{ bos_token }}<q>{{ messages[0].content }}</q>"
+    prompt = ChatPrompt(template, "the model's own chat template", frozenset())
+    assert prompt.render([ChatMessage(role="user", content="hi")]) == "<q>hi</q>"  # BOS: the tokenizer's job
