@@ -13,14 +13,20 @@ import socket
 import sys
 import time
 
-# The command's start, shared with the processes it spawns (they inherit the environment), so that the
-# engine process's phases count from the same moment.
+# The command's start (set by the CLI), shared with the engine process it spawns through the environment, so
+# that the engine's phases count from the same moment.
 _START_ENV = "SWA_RUNTIME_STARTED_AT"
-_START = float(os.environ.setdefault(_START_ENV, repr(time.time())))
+_IMPORTED_AT = time.time()
+
+
+def mark_start() -> None:
+    """This command starts now (each `swa-runtime` invocation, also a replica started by `fleet`)."""
+    os.environ[_START_ENV] = repr(time.time())
 
 
 def announce(what: str) -> None:
-    print(f"swa-runtime [{time.time() - _START:5.1f}s] {what}", file=sys.stderr, flush=True)
+    start = float(os.environ.get(_START_ENV, _IMPORTED_AT))
+    print(f"swa-runtime [{time.time() - start:5.1f}s] {what}", file=sys.stderr, flush=True)
 
 
 def bind_port(host: str, port: int) -> socket.socket:
