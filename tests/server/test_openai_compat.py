@@ -66,6 +66,21 @@ def test_recorded_client_bodies_are_served(short_chats, name):
     live.wait_idle_clean()
 
 
+# Every shared field at its neutral value: both endpoints must take the same body.
+SHARED_NEUTRAL = {"model": "tiny", "max_tokens": 3, "temperature": 0, "top_p": 1, "top_k": -1, "n": 1, "stop": None,
+                  "stream": False, "seed": 5, "ignore_eos": True, "user": "u", "store": False, "metadata": {"k": "v"},
+                  "service_tier": "auto", "prompt_cache_key": "c", "safety_identifier": "s", "presence_penalty": 0.0,
+                  "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": {}, "best_of": 1}
+
+
+def test_both_endpoints_take_the_shared_fields(client, live):
+    for path, extra in (("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": USER})):
+        r = client.post(path, json={**SHARED_NEUTRAL, **extra})
+        assert r.status_code == 200, (path, r.text)
+        assert r.json()["usage"]["completion_tokens"] == 3
+    live.wait_idle_clean()
+
+
 def _sample(oa, seed, **extra):
     return oa.completions.create(model="tiny", prompt="Once upon", max_tokens=24, temperature=1.0, seed=seed,
                                  extra_body={"ignore_eos": True}, **extra).choices[0].text
@@ -157,6 +172,17 @@ def test_completion_logprobs_match_the_logits(oa, live):
         assert list(alternatives.values()) == pytest.approx(list(expected.values()), abs=1e-4)
     assert all(v <= 0 for v in lp.token_logprobs)
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    live.wait_idle_clean()
+
+
+def test_streamed_logprobs_equal_the_whole(oa, live):
+    kwargs = dict(model="tiny", prompt="Once upon", max_tokens=8, temperature=0.8, seed=2, logprobs=2,
+                  extra_body={"ignore_eos": True})
+    whole = oa.completions.create(**kwargs).choices[0]
+    chunks = list(oa.completions.create(**kwargs, stream=True))
+    streamed = [v for c in chunks for ch in c.choices if ch.logprobs for v in ch.logprobs.token_logprobs]
+    assert streamed == whole.logprobs.token_logprobs and len(streamed) == 8
+    assert "".join(ch.text for c in chunks for ch in c.choices) == whole.text
     live.wait_idle_clean()
 
 
