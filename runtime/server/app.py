@@ -77,7 +77,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     front_end = process_registry()  # this process's CPU, memory, GC; the engine's counters come from the loop
     created = int(time.time())
     if chat_prompt is None:
-        chat_prompt = ChatPrompt(None, "Gemma 3's turn format (built in)", tokenizer.control_tokens())
+        chat_prompt = ChatPrompt.gemma(tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -50,7 +50,12 @@ class ChatPrompt:
         template = model_chat_template(model)
         if template is not None:
             return cls(template, "the model's own chat template", control)
-        return cls(None, "Gemma 3's turn format (built in)", control)
+        return cls.gemma(tokenizer)
+
+    @classmethod
+    def gemma(cls, tokenizer) -> "ChatPrompt":
+        """Gemma 3's turn format, built in (`chat.render`)."""
+        return cls(None, "Gemma 3's turn format (built in)", tokenizer.control_tokens())
 
     def render(self, messages: list[ChatMessage]) -> str:
         """The prompt, or a 400 naming the control token typed in a message or what the template refused."""
