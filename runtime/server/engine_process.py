@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import multiprocessing
 import signal
@@ -73,7 +74,8 @@ class EngineProcess:
         parent, child = self._ctx.Pipe()
         self._process = self._ctx.Process(target=_engine_main, args=(child, self.cfg, self._child_options),
                                           name="swa-runtime-engine", daemon=True)
-        self._process.start()
+        with _sigint_ignored_by_children():
+            self._process.start()
         child.close()
         self._conn = parent
         self._reader = threading.Thread(target=self._read, name="swa-runtime-engine-pipe", daemon=True)
@@ -293,6 +295,20 @@ class EngineProcess:
 
 
 # ---- the engine process -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _sigint_ignored_by_children():
+    """Spawn with SIGINT ignored, which the child inherits through exec: a Ctrl-C while it is still importing
+    must not print its traceback (the front end decides when the engine stops; `_engine_main` keeps it so)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
     """Entry point of the engine process: build the engine here, on the main thread, and run its loop."""
     # Ctrl-C reaches the whole process group: the front end decides when the engine stops (a shutdown

@@ -168,3 +168,24 @@ def test_a_missing_extra_fails_fast_with_the_pip_line(module, argv, line):
     assert error_line(proc) == line
     if argv[0] != "generate":  # the others fail before loading anything
         assert took < 10
+
+
+@pytest.mark.parametrize("delay_s", [0.05, 1.0])
+def test_ctrl_c_while_the_engine_starts_exits_130_quietly(delay_s):
+    """A terminal's Ctrl-C reaches the whole process group: the engine process, maybe still importing, must
+    stay quiet, and the front end must stop it and exit 130 instead of waiting for it."""
+    proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", "tiny", "--port", "0"], cwd=ROOT,
+                            text=True, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        for line in proc.stderr:
+            if "starting the engine process" in line:
+                time.sleep(delay_s)
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        start = time.monotonic()
+        rest = proc.communicate(timeout=30)[1]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130 and time.monotonic() - start < 20
+    assert "Traceback" not in rest and "swa-runtime: interrupted" in rest
