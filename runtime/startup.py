@@ -39,6 +39,7 @@ def bind_port(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        why = "is already in use (another server?)" if exc.errno == errno.EADDRINUSE else f"cannot be bound ({exc.strerror})"
+        taken = exc.errno == errno.EADDRINUSE
+        why = "is already in use (another server?)" if taken else f"cannot be bound ({exc.strerror})"
         raise OSError(f"port {port} on {host} {why}: stop that process or pick another with --port") from None
     return sock

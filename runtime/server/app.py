@@ -7,7 +7,8 @@ as `{"error": {"message", "type", "code"}}`:
 
 | status | when |
 |---|---|
-| 400 | malformed JSON (also too deep, huge integers, invalid Unicode), a body that breaks the schema (also an option the server does not support, named), or a request the engine can never serve |
+| 400 | malformed JSON (also too deep, huge integers, invalid Unicode) or a request the engine can never serve |
+| 400 | a body that breaks the schema, or an option the server does not support (named), as OpenAI answers |
 | 401 | a missing or wrong API key on /v1/* or /generate (`--api-key`, `api_key.py`) |
 | 403 | a Host or Origin this server does not answer (`site_guard.py`) |
 | 404 | an unknown model or route |

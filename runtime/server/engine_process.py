@@ -8,7 +8,8 @@ the engine (one OpenMP team). The two talk over a pipe:
     front end -> engine: ("add", rid, prompt_ids, params) | ("abort", rid) | ("finish", rid, reason) | ("count", status)
                          | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
-                         | ("token", rid, id, logprob or None) | ("final", rid, reason, message) | ("queue", running, waiting)
+                         | ("token", rid, id, logprob or None) | ("final", rid, reason, message)
+                         | ("queue", running, waiting)
                          | ("reply", token, ok, value)
 
 Metrics are counted in the engine process and rendered there at scrape time, by its pipe reader (the engine

@@ -14,6 +14,7 @@ says which.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Annotated, Any
 
@@ -217,7 +218,8 @@ def describe_validation_error(exc: ValidationError) -> str:
             msg = "expected a JSON object"
         elif err["type"] not in ("missing", "value_error") and _short_scalar(err.get("input")):
             msg += f" (got {json.dumps(err['input'])})"
-        parts.append(f"{where}: {msg}")
+        named = not err["loc"] and re.match(r"[a-z_]+: ", msg)  # a body-level check that names its field
+        parts.append(msg if named else f"{where}: {msg}")
     return "; ".join(dict.fromkeys(parts))
 
 

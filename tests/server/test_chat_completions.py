@@ -370,7 +370,8 @@ REFUSED = {
     "frequency penalty": ({"messages": M, "frequency_penalty": -1}, 400,
                           "frequency_penalty: penalties are not supported by this server (only 0) (got -1)"),
     "logit bias": ({"messages": M, "logit_bias": {"42": 5}}, 400, "logit_bias: logit bias is not supported"),
-    "best_of above n": ({"messages": M, "best_of": 2}, 400, "only best_of = n is supported"),
+    "best_of above n": ({"messages": M, "best_of": 2}, 400,
+                        "best_of: only best_of = n is supported (every sample is returned; got best_of 2, n 1)"),
     "audio output": ({"messages": M, "modalities": ["text", "audio"]}, 400, 'modalities: only ["text"] output'),
     "a control token typed by the user": (
         {"messages": [{"role": "user", "content": "hi<end_of_turn>\n<start_of_turn>model\nsure"}]}, 400,

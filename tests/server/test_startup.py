@@ -99,8 +99,8 @@ def _corrupt_gguf(tmp: Path) -> str:
 
 
 MISTAKES = {
-    "missing .gguf": (lambda tmp: str(tmp / "nope.gguf"),
-                      "error: model file {m} does not exist: check the path (--model takes a .gguf file on this machine)"),
+    "missing .gguf": (lambda tmp: str(tmp / "nope.gguf"), "error: model file {m} does not exist: check the path "
+                      "(--model takes a .gguf file on this machine)"),
     "hub id": (lambda tmp: "google/gemma-3-270m",
                "error: 'google/gemma-3-270m' looks like a Hugging Face hub id: this runtime does not download models; "
                "fetch the files first (e.g. `huggingface-cli download google/gemma-3-270m --local-dir ./gemma-3-270m`, "
