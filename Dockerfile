@@ -15,7 +15,7 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 WORKDIR /src
 COPY . .
-RUN pip install ${PIP_EXTRA_ARGS} ".[model]"
+RUN pip install ${PIP_EXTRA_ARGS} ".[model,server]"
 
 FROM python:3.11-slim
 # The cache directory exists in the image so that a named volume mounted there is writable by `swa`.

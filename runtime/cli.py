@@ -1,15 +1,26 @@
-"""`swa-runtime` command line: generate | bench | serve | fleet | diagnose."""
+"""`swa-runtime` command line: generate | bench | serve | fleet | diagnose.
+
+Answers fast: nothing heavy (torch, the server) is imported to build the parser, so `--help` and a
+mistyped option answer in well under a second. Options must be spelt out (no abbreviations: `--mod`
+is not `--model`); an unknown one gets the closest real ones as a suggestion. Mistakes found later
+(a model path, a taken port, a missing extra) end with one line that says what to do, status 2;
+Ctrl-C before serving ends quietly with status 130.
+"""
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib.util
 import json
+import re
 import sys
 
 from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
 from runtime.fleet import add_fleet_args
 from runtime.options import add_engine_args, announce_settings, engine_config
+from runtime.server.openai_options import add_openai_args
 from runtime.server.options import add_server_args
 
 
@@ -46,10 +57,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# The extras a command needs beyond the core install: (module it imports, extra that installs it).
+EXTRAS = {"serve": [("fastapi", "server"), ("uvicorn", "server")],
+          "fleet": [("fastapi", "server"), ("uvicorn", "server"), ("sglang_router", "fleet")],
+          "bench --serve": [("fastapi", "server"), ("uvicorn", "server"), ("httpx", "bench")]}
+
+
+def require_extras(command: str) -> None:
+    """Fail at once, with the pip line, when a module `command` needs is not installed."""
+    missing = sorted({extra for module, extra in EXTRAS[command] if not _installed(module)})
+    if missing:
+        raise RuntimeError(f"`swa-runtime {command}` needs the {', '.join(missing)} extra: "
+                           f"pip install 'swa-runtime[{','.join(missing)}]'")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # ValueError: present in sys.modules as None (blocked)
+        return False
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     announce_settings(cfg)
     if args.serve:
+        require_extras("bench --serve")
         from runtime.bench_serve import run_bench_serve
         from runtime.options import engine_argv
 
@@ -60,12 +93,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from runtime.startup import announce, bind_port
+
+    listener = bind_port(args.host, args.port)  # first: a taken port fails before anything is imported
+    require_extras("serve")
+    announce(f"{args.host}:{args.port} is free; loading the server")
     from runtime.server.launch import serve
 
-    return serve(args)
+    return serve(args, listener)
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
+    require_extras("fleet")
     from runtime.fleet import run_fleet
 
     return run_fleet(args)
@@ -99,10 +138,34 @@ def diagnose_from_log(args: argparse.Namespace) -> int:
     return report.exit_status
 
 
+# What `serve` answers (the banner lists the same, read from the app's routes; a test holds them equal).
+SERVE_ROUTES = ("POST /v1/chat/completions, /v1/completions, /generate, /abort_request; GET /v1/models, /health, "
+                "/metrics, /server_info, /model_info, /get_server_info, /get_model_info, /get_load")
+
+
+class Parser(argparse.ArgumentParser):
+    """No abbreviated options, and suggestions for a mistyped one."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        unknown = re.findall(r"(?<![\w-])(--?[A-Za-z][\w-]*)", message.partition("unrecognized arguments:")[2])
+        if unknown:
+            known = set(re.findall(r"(?<![\w-])--[a-z0-9][a-z0-9-]*", self.format_help()))
+            hints = [f"{u}: did you mean {' or '.join(m)}?" for u in unknown
+                     if (m := difflib.get_close_matches(u.split("=")[0], known, n=2, cutoff=0.6))]
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swa-runtime", description="Hybrid sliding-window-attention inference "
-                                     "runtime with an observable KV location translation cache")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="swa-runtime", description="Hybrid sliding-window-attention inference "
+                    "runtime with an observable KV location translation cache")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    parser.set_defaults(subparsers=sub.choices)
 
     gen = sub.add_parser("generate", help="offline generation for one or more prompts")
     add_engine_args(gen)
@@ -137,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--transformers-max-batch", type=int, default=8, help="largest static batch for transformers")
     bench.set_defaults(func=cmd_bench)
 
-    serve = sub.add_parser("serve", help="HTTP server: /generate, /v1/completions, /metrics, /health")
+    serve = sub.add_parser("serve", help="HTTP server: the OpenAI API (/v1/chat/completions, /v1/completions), "
+                           "/generate, /metrics, /health", description=f"Serve the model over HTTP: {SERVE_ROUTES}.")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=30000)
@@ -145,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="on SIGTERM/SIGINT, let running requests finish this long, then abort them")
     serve.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     add_server_args(serve)
+    add_openai_args(serve)
     serve.set_defaults(func=cmd_serve)
 
     fleet = sub.add_parser("fleet", help="N serve replicas on loopback behind the SGLang router, supervised")
@@ -175,12 +240,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from runtime.startup import mark_start
+
+    mark_start()
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # reported by the subcommand's parser, which knows the options to suggest
+        args.subparsers[args.command].error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return args.func(args)
-    except (ValueError, RuntimeError) as exc:  # configuration and capacity errors: say what is wrong
+    except (ValueError, RuntimeError, OSError) as exc:  # mistakes in what was asked: say what to do
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("swa-runtime: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

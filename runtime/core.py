@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 _ids = itertools.count(1)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     ignore_eos: bool = False
+    seed: int | None = None  # a generator of the request's own: its draws do not depend on other requests
+    logprobs: int | None = None  # None: none; k: the sampled token's log probability and the k most likely
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
@@ -27,6 +30,19 @@ class SamplingParams:
             raise ValueError(f"top_p must be within (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be within [0, 2**64), got {self.seed}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be within [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability under the model's distribution (log_softmax of the logits it was
+    drawn from, before temperature or top-k/top-p), and the `k` most likely tokens as (id, log probability)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 class RequestError(ValueError):
@@ -58,6 +74,8 @@ class Req:
     offloaded: object | None = None  # host copy while retracted (HostKV)
     logits: list | None = None  # sampled-token logits when a caller asks for them
     traceparent: str | None = None  # the client's W3C trace context: its trace continues in ours (tracing)
+    generator: object | None = None  # the torch.Generator of a seeded request (engine only)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # with params.logprobs, one per output token
     # timing
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

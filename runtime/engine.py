@@ -15,17 +15,18 @@ import structlog
 import torch
 
 from runtime.config import EngineConfig
-from runtime.core import Req, SamplingParams
+from runtime.core import Req, SamplingParams, TokenLogprob
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
-from runtime.layers.sampler import check_finite, sample, token_probabilities
+from runtime.layers.sampler import check_finite, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch
 from runtime.scheduler.scheduler import Scheduler
+from runtime.startup import announce
 from runtime.tracing import check_endpoint, make_tracer
 from runtime.tracing.reporter import TracingEventReporter
 from runtime.speculative.acceptance import accept_greedy, accept_sampling
@@ -54,6 +55,8 @@ class Engine:
             check_endpoint(cfg.otlp_traces_endpoint)
         torch.manual_seed(cfg.seed)
         if model is None:
+            if progress:
+                announce(f"loading the weights of {cfg.model} ({cfg.dtype}, quantization {cfg.quantization})")
             _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
                                   quantization=cfg.quantization, compile_layers=cfg.compile_decode)
         elif (getattr(model, "quantization", "none"), getattr(model, "layers_compiled", False)) != (
@@ -73,6 +76,8 @@ class Engine:
         limiter = RateLimiter(interval_s=60.0)
         self.reporter = (EventReporter(self.stats, limiter) if self.tracer is None
                          else TracingEventReporter(self.stats, limiter, tracer=self.tracer))
+        if progress:
+            announce("allocating the KV pools" + ("; warm-up and decode graph capture" if cfg.graphs else ""))
         self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress,
                                   tracer=self.tracer)
         self.pool = self.runner.pool
@@ -137,26 +142,47 @@ class Engine:
         )
 
     def _sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[int]:
-        """One token per request in `batch.sample`. A request whose sampling fails ends with status `error`
-        (its token is skipped); the others are unaffected."""
+        """One token per request in `batch.sample`. A seeded request draws from its own generator; a request
+        that asked for log probabilities gets them appended to `output_logprobs` before the scheduler hands
+        the token on. A request whose sampling fails ends with status `error` (its token is skipped); the
+        others are unaffected."""
         rows = logits[list(batch.sample)]
         reqs = [batch.reqs[i] for i in batch.sample]
         for r, row in zip(reqs, rows):
             if r.logits is not None:
                 r.logits.append(row.float().cpu())
+        generators = [self._generator_of(r) for r in reqs]
         try:
-            return sample(rows, [r.params for r in reqs], self.generator)
+            tokens = sample(rows, [r.params for r in reqs], generators)
         except Exception:  # noqa: BLE001 - find the request that failed; fail it alone
             tokens = []
-            for r, row in zip(reqs, rows):
+            for r, row, gen in zip(reqs, rows, generators):
                 try:
-                    tokens.extend(sample(row[None], [r.params], self.generator))
+                    tokens.extend(sample(row[None], [r.params], gen))
                 except Exception as exc:  # noqa: BLE001
                     if self._failure_logs.allow("sampling_failed"):
                         log.warning("sampling_failed", error=f"{type(exc).__name__}: {exc}")
                     self.scheduler.abort(r.rid, status="error", reason="error", message=f"sampling failed: {exc}")
                     tokens.append(-1)  # skipped: the request is done
-            return tokens
+        self._record_logprobs(reqs, rows, tokens)
+        return tokens
+
+    def _generator_of(self, r: Req) -> torch.Generator:
+        """The request's own generator if it has a seed (made on its first sample), else the engine's."""
+        if r.params.seed is None:
+            return self.generator
+        if r.generator is None:
+            r.generator = torch.Generator().manual_seed(r.params.seed)
+        return r.generator
+
+    @staticmethod
+    def _record_logprobs(reqs: list[Req], rows: torch.Tensor, tokens: list[int]) -> None:
+        want = [i for i, (r, t) in enumerate(zip(reqs, tokens)) if r.params.logprobs is not None and t >= 0]
+        if not want:
+            return
+        found = token_logprobs(rows[want], [tokens[i] for i in want], [reqs[i].params.logprobs for i in want])
+        for i, (chosen, top) in zip(want, found):
+            reqs[i].output_logprobs.append(TokenLogprob(chosen, tuple(top)))
 
     def _accept(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[list[int]]:
         """Per request of a verify batch, the tokens to emit: greedy requests keep the longest draft prefix
@@ -172,7 +198,7 @@ class Engine:
                     check_finite(rows)
                     tokens = accept_greedy(list(draft), rows.argmax(-1).tolist())
                 else:
-                    tokens = accept_sampling(list(draft), token_probabilities(rows, r.params), self.generator)
+                    tokens = accept_sampling(list(draft), token_probabilities(rows, r.params), self._generator_of(r))
             except Exception as exc:  # noqa: BLE001 - fail this request alone, as `_sample` does
                 if self._failure_logs.allow("sampling_failed"):
                     log.warning("sampling_failed", error=f"{type(exc).__name__}: {exc}")

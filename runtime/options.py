@@ -47,7 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--swa-full-tokens-ratio", type=float, default=d.swa_full_tokens_ratio,
                    help="SWA pool size as a fraction of the full pool")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+                   metavar="TOKENS", help="the longest prompt + output served (default: the model's); "
+                   "--max-model-len is vLLM's name for it")
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size)
     g.add_argument("--hicache-size", type=int, default=d.hicache_size,
                    help="host-memory KV tier in tokens for requests retracted under pool pressure and prefix-cache "
@@ -94,18 +96,19 @@ def memory_gib(text: str) -> float:
 
 def engine_argv(args: argparse.Namespace) -> list[str]:
     """The engine options of `args` as command-line flags (those that differ from the defaults), to start
-    another process (`swa-runtime serve`) with the same engine."""
+    another process (`swa-runtime serve`) with the same engine. Every engine option is spelt `--` + its
+    dest with dashes; booleans are switches, lists repeat their flag."""
     probe = argparse.ArgumentParser(add_help=False)
     add_engine_args(probe)
     argv: list[str] = []
-    for action in probe._actions:  # NOTE: argparse offers no public list of a parser's options
-        value = getattr(args, action.dest, action.default)
-        if value == action.default:
+    for dest, default in vars(probe.parse_args([])).items():
+        value = getattr(args, dest, default)
+        if value == default:
             continue
-        flag = action.option_strings[-1]
-        if isinstance(action, argparse._StoreTrueAction):
-            argv.append(flag)
-        elif isinstance(action, argparse._AppendAction):
+        flag = "--" + dest.replace("_", "-")
+        if isinstance(default, bool):
+            argv += [flag] if value else []
+        elif isinstance(value, list):
             argv += [x for v in value for x in (flag, str(v))]
         else:
             argv += [flag, str(value)]
@@ -115,8 +118,9 @@ def engine_argv(args: argparse.Namespace) -> list[str]:
 def announce_settings(cfg: EngineConfig) -> None:
     """Say at start what runs, and why where `auto` chose it (stderr: stdout may carry --json output)."""
     from runtime.auto_settings import describe
+    from runtime.startup import announce
 
-    print(f"swa-runtime: {describe(cfg.dtype, cfg.quantization, cfg.auto_reason)}", file=sys.stderr, flush=True)
+    announce(describe(cfg.dtype, cfg.quantization, cfg.auto_reason))
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

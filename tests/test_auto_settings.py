@@ -81,8 +81,7 @@ def test_generate_prints_what_auto_chose_and_what_was_given():
         assert out.returncode == 0, out.stderr
         return out.stderr
 
-    assert ("swa-runtime: dtype float32, quantization none (auto: the tiny random model is a test fixture: kept "
+    assert ("s] dtype float32, quantization none (auto: the tiny random model is a test fixture: kept "
             "exact)") in stderr()
-    assert "swa-runtime: dtype bfloat16, quantization none (as given)" in stderr("--dtype", "bfloat16",
-                                                                              "--quantization", "none")
+    assert "s] dtype bfloat16, quantization none (as given)" in stderr("--dtype", "bfloat16", "--quantization", "none")
     assert describe("bfloat16", "int8-head", AutoChoice("bfloat16", "int8-head", "x").reason).endswith("(auto: x)")

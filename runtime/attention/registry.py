@@ -11,7 +11,13 @@ def make_backend(name: str, pool, req_to_token, sliding_window: int | None) -> A
 
         return TorchNativeBackend(pool, req_to_token, sliding_window)
     if name == "triton":
-        from runtime.attention.triton_backend import TritonBackend
+        try:
+            from runtime.attention.triton_backend import TritonBackend
+        except ModuleNotFoundError as exc:
+            if exc.name != "triton":
+                raise
+            raise RuntimeError("the triton attention backend needs triton: pip install 'swa-runtime[triton]' "
+                               "(or use --attention-backend torch)") from None
 
         return TritonBackend(pool, req_to_token, sliding_window)
     raise ValueError(f"unknown attention backend {name!r}; choose 'torch' or 'triton'")

@@ -1,4 +1,4 @@
-"""Next-token sampling: greedy at temperature 0, else temperature/top-p/top-k sampling.
+"""Next-token sampling: greedy at temperature 0, else temperature/top-p/top-k sampling; log probabilities.
 
 Numerically safe for every parameter `SamplingParams` accepts: logits are shifted so that their maximum is
 0 *before* dividing by the temperature (in float64), so a tiny temperature (1e-40, 5e-324) sends every
@@ -18,8 +18,10 @@ class SamplingError(ValueError):
     """A row of logits that no token can be drawn from."""
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.Generator | None = None) -> list[int]:
-    """One token per row of `logits` (B, vocab), each row with its own parameters."""
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generator: torch.Generator | list[torch.Generator | None] | None = None) -> list[int]:
+    """One token per row of `logits` (B, vocab), each row with its own parameters and, given a list, its own
+    generator (a seeded request draws from its own, so its tokens do not depend on the rest of the batch)."""
     logits = logits.float()
     # One pass over (B, vocab) does both jobs: a row's maximum is NaN if any logit is NaN (max propagates
     # NaN), +inf if one is +inf, -inf if all are; and its index is the greedy token (the first maximal one,
@@ -35,7 +37,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generator: torch.
         if p.temperature == 0.0:
             out.append(greedy[i])
             continue
-        out.append(int(torch.multinomial(_probabilities(row, p), 1, generator=generator)))
+        gen = generator[i] if isinstance(generator, list) else generator
+        out.append(int(torch.multinomial(_probabilities(row, p), 1, generator=gen)))
     return out
 
 
@@ -68,3 +71,15 @@ def _probabilities(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
     return probs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[tuple[float, list]]:
+    """Per row of `logits` (B, vocab): the log probability of `tokens[i]` and the `top[i]` most likely
+    (id, log probability) pairs, from a float32 log_softmax of the raw logits (before temperature, top-k and
+    top-p: the model's own distribution, as vLLM reports by default)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab)
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    k = max(top, default=0)
+    values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # (B, k)
+    values, ids = values.tolist(), ids.tolist()
+    return [(chosen[i], list(zip(ids[i][:top[i]], values[i][:top[i]]))) for i in range(len(tokens))]

@@ -156,10 +156,12 @@ class HybridAllocator:
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), swa_locs.long())
         self._mutated("set_mapping")
 
-    def clear_swa_mapping(self, full_locs: torch.Tensor) -> None:
+    def clear_swa_mapping(self, full_locs: torch.Tensor, site: str = "clear_swa_mapping") -> None:
+        """Unmap tokens whose SWA slots stay held (on a page other tokens still use), e.g. rolled-back draft
+        tokens at the end of a request's last page: the page is written again by the next step."""
         check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
-        self._mutated("clear_swa_mapping")
+        self._mutated(site)
 
     def register_mapping(self, mapping: torch.Tensor, site: str = "register_mapping") -> None:
         """Adopt a rebuilt mapping tensor (host-cache load-back rebuilds it). A new tensor starts a new

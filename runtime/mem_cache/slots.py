@@ -62,6 +62,11 @@ class KVSlots:
         if locs:
             self.allocator.free(torch.tensor(locs, dtype=torch.int64), site=site)
 
+    def unmap(self, locs: list[int], site: str) -> None:
+        """Clear the full->SWA mapping of tokens whose slots stay held (see HybridAllocator.clear_swa_mapping)."""
+        if locs:
+            self.allocator.clear_swa_mapping(torch.tensor(locs, dtype=torch.int64), site=site)
+
     def free_swa(self, locs: list[int], site: str = "free_swa") -> int:
         """Give back the SWA side of tokens that left every window; returns SWA slots freed (page-rounded)."""
         if not locs:

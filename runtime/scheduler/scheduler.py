@@ -174,9 +174,10 @@ class Scheduler:
         whole pages only (a page the kept tokens still use stays held; its later slots are written again by
         the next step), through the allocator's hooked free at the `spec_rollback` site."""
         ps = self.slots.page_size
-        cut = -(-keep // ps) * ps
+        cut = min(-(-keep // ps) * ps, len(r.locs))
         if cut < len(r.locs):
             self.slots.free(r.locs[cut:], site="spec_rollback")
+        self.slots.unmap(r.locs[keep:cut], site="spec_rollback")  # on the kept page: held, but no token's now
         del r.locs[keep:]
 
     def _append(self, r: Req, t: int, now: float) -> bool:
@@ -296,10 +297,12 @@ class Scheduler:
 
     def _drafts(self, reqs: list[Req]) -> tuple[tuple[int, ...], ...]:
         """Per request the draft to verify (empty: decode it plainly); () when no request has one. A draft
-        never asks for more tokens than the request may still emit, less the target's own."""
+        never asks for more tokens than the request may still emit, less the target's own. A request that
+        asks for log probabilities decodes plainly (they are reported token by token, as each is sampled)."""
         if self.speculator is None:
             return ()
-        drafts = tuple(self.speculator.draft(r, r.params.max_new_tokens - len(r.output_ids) - 1) for r in reqs)
+        drafts = tuple(() if r.params.logprobs is not None
+                       else self.speculator.draft(r, r.params.max_new_tokens - len(r.output_ids) - 1) for r in reqs)
         return drafts if any(drafts) else ()
 
     def _batch(self, reqs: list[Req], is_decode: bool, prefix: list[int], seq: list[int], locs: list[int],

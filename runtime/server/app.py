@@ -8,12 +8,13 @@ as `{"error": {"message", "type", "code"}}`:
 | status | when |
 |---|---|
 | 400 | malformed JSON (also too deep, huge integers, invalid Unicode) or a request the engine can never serve |
+| 400 | a body that breaks the schema, or an option the server does not support (named), as OpenAI answers |
+| 401 | a missing or wrong API key on /v1/* or /generate (`--api-key`, `api_key.py`) |
 | 403 | a Host or Origin this server does not answer (`site_guard.py`) |
 | 404 | an unknown model or route |
 | 408 | headers or body too slow (`connections.py`, `body.py`) |
 | 413 | a body over `--max-request-bytes` |
 | 415 | a POST without `Content-Type: application/json` |
-| 422 | a body that breaks the schema (also an option the server does not support, named) |
 | 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
 | 500 | the engine failed the request |
 | 503 | draining, the engine thread stopped, the request was cut by shutdown, or too many connections |
@@ -40,13 +41,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
-from runtime.server import chat, protocol, router_compat
+from runtime.server import chat, choices, openai_stream, protocol, router_compat
+from runtime.server.api_key import APIKeyGuard
 from runtime.server.body import read_body, require_json
+from runtime.server.chat_template import ChatPrompt
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
+from runtime.server.openai_options import OpenAIOptions
+from runtime.server.openai_request import CompletionRequest
 from runtime.server.options import ServerOptions
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
-from runtime.server.stops import TextDeltas, text_pieces
+from runtime.server.stops import TextDeltas
 from telemetry.collector import process_registry
 
 # No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
@@ -55,19 +60,28 @@ from telemetry.collector import process_registry
 MAX_CHARS_PER_TOKEN = 64
 OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off the event loop
 RETRY_AFTER_S = "1"
+MAX_MODEL_NAME_SHOWN = 64  # an unknown `model` is quoted back cut to this many characters
 
 
 TRACEPARENT_MAX_LEN = 55  # version-traceid-parentid-flags: 2 + 1 + 32 + 1 + 16 + 1 + 2
 
 
-def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None,
+               openai: OpenAIOptions | None = None, chat_prompt: ChatPrompt | None = None) -> FastAPI:
     """The app serving the engine behind `engine_loop` (a thread beside the event loop, or its own process)
-    as `model_name`. Its lifespan starts the engine (unless already started) and drains it on shutdown."""
+    as `model_name` (or the first of `openai.served_model_names`). Its lifespan starts the engine (unless
+    already started) and drains it on shutdown. `chat_prompt`: how chats become prompts (default: Gemma's
+    turns)."""
     opts = options if options is not None else ServerOptions()
+    api = openai if openai is not None else OpenAIOptions()
+    model_names = api.served_model_names or (model_name,)
+    model_name = model_names[0]
     tokenizer = engine_loop.tokenizer
     context_length = engine_loop.context_length
     front_end = process_registry()  # this process's CPU, memory, GC; the engine's counters come from the loop
     created = int(time.time())
+    if chat_prompt is None:
+        chat_prompt = ChatPrompt.gemma(tokenizer)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,9 +94,12 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     app = FastAPI(title="swa-runtime", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop = engine_loop
+    app.state.model_name = model_name
     if opts.allowed_origins:  # answer the CORS preflights of the origins allowed (the guard refuses others)
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "Authorization"])
+    if api.api_key is not None:
+        app.add_middleware(APIKeyGuard, api_key=api.api_key)
     app.add_middleware(SiteGuard, policy=SitePolicy(opts.host, opts.allowed_hosts, opts.allowed_origins))
 
     # ---- errors ------------------------------------------------------------------------------------------
@@ -107,7 +124,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(422, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
+        return error(400, "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()),
                      "invalid_request_error")
 
     @app.exception_handler(StarletteHTTPException)
@@ -123,7 +140,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     # ---- helpers -----------------------------------------------------------------------------------------
     async def parse(request: Request, model: type) -> Any:
-        """The validated body; 415, 413, 408, 400 or 422 otherwise (cheapest checks first)."""
+        """The validated body; 415, 413, 408 or 400 otherwise (cheapest checks first)."""
         require_json(request)
         raw = await read_body(request, opts.max_request_bytes, opts.body_timeout_s)
         if len(raw) > OFF_LOOP_BYTES:
@@ -159,25 +176,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
             raise APIError(*failure)
         return stream
 
-    async def collect_text(stream: RequestStream, request: Request, stops: tuple[str, ...]) -> tuple[str, str]:
-        """(text, finish reason) of the whole output, cut at the first stop string (the request then ends at
-        once); aborts the request if the client disconnects first."""
-        async def read() -> tuple[str, str]:
-            parts, reason = [], ""
-            async for piece in text_pieces(stream, tokenizer, stops):
-                if piece.failure is not None:
-                    raise APIError(*piece.failure)
-                parts.append(piece.text)
-                reason = piece.finish_reason or reason
-            return "".join(parts), reason
-
-        async with stream:
-            result = await _until_disconnect(read(), request)
-        return result if result is not None else ("", "abort")  # client gone; nobody reads this response
+    async def collect_choices(streams: list[RequestStream], request: Request,
+                              stops: tuple[str, ...]) -> list[choices.ChoiceResult]:
+        """Every choice's whole output, cut at its first stop string (that request then ends at once);
+        aborts them all if the client disconnects first."""
+        try:
+            result = await _until_disconnect(choices.collect_all(streams, tokenizer, stops), request)
+        finally:
+            choices.abort_all(streams)  # a no-op for those that finished
+        return result if result is not None else [choices.ChoiceResult(finish_reason="abort") for _ in streams]
 
     def check_model(model: str | None) -> None:
-        if model is not None and model != model_name:
-            raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error")
+        if model is not None and model not in model_names:
+            shown = model if len(model) <= MAX_MODEL_NAME_SHOWN else model[:MAX_MODEL_NAME_SHOWN] + "..."
+            raise APIError(404, f"model {shown!r} not found; this server serves {model_name!r}", "not_found_error")
 
     # ---- routes ------------------------------------------------------------------------------------------
     live = router_compat.LiveRequests()  # by the ids clients gave, for /abort_request
@@ -203,22 +215,30 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await parse(request, protocol.CompletionRequest)
+        body = await parse(request, CompletionRequest)
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, None)
-        params = body.to_params()
         engine_loop.check_admission()
-        prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
-        stops = protocol.stop_strings(body.stop)
-        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
-        rid = live.add(stream, client_rid)
-        now = int(time.time())
-        if body.stream:
-            return SSEResponse(_completion_events(stream, tokenizer, rid, model_name, now, stops),
-                               on_close=stream.abort)
-        text, reason = await collect_text(stream, request, stops)
-        return JSONResponse(protocol.completion_body(rid, now, model_name, text, reason,
-                                                     (stream.prompt_tokens, len(stream.output_ids))))
+        max_new, n = body.max_new_tokens(), body.choices_per_prompt
+        prompts = [await prompt_of(p, max_new) for p in body.prompts()]
+        streams = await choices.submit_all(engine_loop, [(ids, body.to_params(max_new, j))
+                                                         for ids in prompts for j in range(n)],
+                                            traceparent=traceparent_of(request))
+        rid = live.add(streams[0], client_rid)
+        for s in streams[1:]:
+            live.add(s, client_rid or rid)
+        now, stops, logprobs = int(time.time()), body.stop_strings(), body.logprobs is not None
+        if body.streaming:
+            return SSEResponse(openai_stream.completion_events(streams, tokenizer, rid, model_name, now, stops, n,
+                                                               body.include_usage, logprobs),
+                               on_close=lambda: choices.abort_all(streams))
+        results = await collect_choices(streams, request, stops)
+        body_choices = [protocol.completion_choice(
+            i, r.text, r.finish_reason,
+            choices.completion_logprobs(tokenizer, r.token_ids, r.logprobs) if logprobs else None)
+            for i, r in enumerate(results)]
+        return JSONResponse(protocol.completion_body(rid, now, model_name, body_choices,
+                                                     openai_stream.request_usage(streams, n)))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -226,17 +246,25 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         check_model(body.model)
         engine_loop.check_admission()
         asked = body.max_new_tokens()
-        prompt_ids = await prompt_of(chat.render(body.messages), asked or 1)
-        params = body.to_params(asked or context_length - len(prompt_ids))  # default: what the context leaves
-        stops = body.stop_strings()
-        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
-        now = int(time.time())
-        if body.stream:
-            return SSEResponse(chat.chat_events(stream, tokenizer, model_name, now, stops, body.include_usage),
-                               on_close=stream.abort)
-        text, reason = await collect_text(stream, request, stops)
-        return JSONResponse(chat.chat_body(stream.rid, now, model_name, text, reason,
-                                           (stream.prompt_tokens, len(stream.output_ids))))
+        prompt_ids = await prompt_of(chat_prompt.render(body.messages), asked or 1)
+        # without a limit: the server's default, never more than the context leaves
+        max_new = asked or min(api.max_new_tokens_default, context_length - len(prompt_ids))
+        n = body.choices_per_prompt
+        streams = await choices.submit_all(engine_loop, [(prompt_ids, body.to_params(max_new, j)) for j in range(n)],
+                                            traceparent=traceparent_of(request))
+        now, stops, logprobs = int(time.time()), body.stop_strings(), body.logprobs is True
+        rid = streams[0].rid
+        if body.streaming:
+            return SSEResponse(openai_stream.chat_events(streams, tokenizer, rid, model_name, now, stops,
+                                                         body.include_usage, logprobs),
+                               on_close=lambda: choices.abort_all(streams))
+        results = await collect_choices(streams, request, stops)
+        body_choices = [chat.chat_choice(i, r.text, r.finish_reason,
+                                         choices.chat_logprobs(tokenizer, r.token_ids, r.logprobs) if logprobs
+                                         else None)
+                        for i, r in enumerate(results)]
+        return JSONResponse(chat.chat_body(rid, now, model_name, body_choices,
+                                           openai_stream.request_usage(streams, n)))
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -318,23 +346,6 @@ async def _sse_events(stream: RequestStream, tokenizer, body: Callable[[str, Any
 def _generate_events(stream: RequestStream, tokenizer, rid: str) -> AsyncIterator[bytes]:
     return _sse_events(stream, tokenizer, lambda delta, ev: protocol.generate_body(
         rid, delta, list(ev.token_ids), stream.prompt_tokens, len(stream.output_ids), ev.finish_reason))
-
-
-async def _completion_events(stream: RequestStream, tokenizer, rid: str, model: str, created: int,
-                             stops: tuple[str, ...]) -> AsyncIterator[bytes]:
-    """`text_completion` chunks as the text arrives, cut at the first stop string; the last carries the
-    finish reason and the usage. A request the server ended gets an error event instead."""
-    async with stream:
-        async for piece in text_pieces(stream, tokenizer, stops):
-            if piece.failure is not None:
-                if piece.text:
-                    yield protocol.sse(protocol.completion_body(rid, created, model, piece.text, None, None))
-                yield protocol.sse(protocol.error_body(*piece.failure))
-                break
-            usage = (stream.prompt_tokens, len(stream.output_ids)) if piece.finish_reason is not None else None
-            yield protocol.sse(protocol.completion_body(rid, created, model, piece.text, piece.finish_reason,
-                                                        usage))
-    yield protocol.SSE_DONE
 
 
 async def _until_disconnect(work: Awaitable, request: Request):

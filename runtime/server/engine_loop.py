@@ -36,7 +36,7 @@ import structlog
 
 from prometheus_client import generate_latest
 
-from runtime.core import Req, RequestError, SamplingParams
+from runtime.core import Req, RequestError, SamplingParams, TokenLogprob
 from telemetry import names
 from telemetry.collector import make_registry
 from telemetry.ratelimit import RateLimiter
@@ -62,6 +62,7 @@ class StreamEvent:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None  # length | stop | abort | error
     message: str | None = None  # why, for abort (shutdown) and error
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class RequestStream:
         self._req = req
         self._queue = queue
         self.output_ids: list[int] = []
+        self.output_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self.message: str | None = None
 
@@ -101,11 +103,13 @@ class RequestStream:
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
             tokens = tuple(t for t in items if isinstance(t, int))
+            logprobs = tuple(t for t in items if isinstance(t, TokenLogprob))
             self.output_ids.extend(tokens)
+            self.output_logprobs.extend(logprobs)
             final = next((f for f in items if isinstance(f, _Final)), None)
             if final is not None:
                 self.finish_reason, self.message = final.reason, final.message
-            yield StreamEvent(tokens, self.finish_reason, self.message)
+            yield StreamEvent(tokens, self.finish_reason, self.message, logprobs)
 
     async def collect(self) -> "RequestStream":
         async for _ in self:
@@ -268,7 +272,12 @@ class EngineLoop:
             except RuntimeError:  # the event loop is closed: nobody listens any more
                 pass
 
-        req = Req(list(prompt_ids), params, on_token=lambda r, t: push(t),
+        def on_token(r: Req, t: int) -> None:
+            push(t)
+            if r.params.logprobs is not None:
+                push(r.output_logprobs[-1])
+
+        req = Req(list(prompt_ids), params, on_token=on_token,
                   on_finish=lambda r: push(self.final_of(r)), traceparent=traceparent)
         admitted = self.post_add(req)
         try:

@@ -8,7 +8,8 @@ the engine (one OpenMP team). The two talk over a pipe:
     front end -> engine: ("add", rid, prompt_ids, params, traceparent) | ("abort", rid) | ("finish", rid, reason)
                          | ("count", status) | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
-                         | ("token", rid, id) | ("final", rid, reason, message) | ("queue", running, waiting)
+                         | ("token", rid, id, logprob or None) | ("final", rid, reason, message)
+                         | ("queue", running, waiting)
                          | ("reply", token, ok, value)
 
 Metrics are counted in the engine process and rendered there at scrape time, by its pipe reader (the engine
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import multiprocessing
 import signal
@@ -73,7 +75,8 @@ class EngineProcess:
         parent, child = self._ctx.Pipe()
         self._process = self._ctx.Process(target=_engine_main, args=(child, self.cfg, self._child_options),
                                           name="swa-runtime-engine", daemon=True)
-        self._process.start()
+        with _sigint_ignored_by_children():
+            self._process.start()
         child.close()
         self._conn = parent
         self._reader = threading.Thread(target=self._read, name="swa-runtime-engine-pipe", daemon=True)
@@ -236,6 +239,8 @@ class EngineProcess:
         kind = message[0]
         if kind == "token":
             self._push(message[1], message[2])
+            if message[3] is not None:
+                self._push(message[1], message[3])
         elif kind == "final":
             _, rid, reason, text = message
             self._push(rid, _Final(reason, text))
@@ -293,6 +298,20 @@ class EngineProcess:
 
 
 # ---- the engine process -----------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _sigint_ignored_by_children():
+    """Spawn with SIGINT ignored, which the child inherits through exec: a Ctrl-C while it is still importing
+    must not print its traceback (the front end decides when the engine stops; `_engine_main` keeps it so)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
     """Entry point of the engine process: build the engine here, on the main thread, and run its loop."""
     # Ctrl-C reaches the whole process group: the front end decides when the engine stops (a shutdown
@@ -330,7 +349,7 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
 
     def add(rid: str, prompt_ids: list[int], params: SamplingParams, traceparent: str | None) -> None:
         def on_token(r: Req, t: int) -> None:
-            send(("token", r.rid, t))
+            send(("token", r.rid, t, r.output_logprobs[-1] if r.params.logprobs is not None else None))
             report_queue()
 
         def on_finish(r: Req) -> None:

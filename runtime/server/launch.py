@@ -1,25 +1,34 @@
 """`swa-runtime serve`: start the engine in its own process, serve it with uvicorn, drain on SIGTERM/SIGINT.
 
+Start-up talks: the port is bound first (a taken port fails in a second, before any loading), then each
+phase is announced on stderr as it starts (resolve the model, tokenizer, engine process: weights with a
+bar, warm-up and graph capture), then the line that says where it listens and which routes it serves.
+
 This process is the front end: it tokenizes, streams and serves `/metrics`; the engine process does every
 forward on its own main thread (`runtime/server/engine_process.py`).
 
-On the first SIGTERM or SIGINT the engine stops admitting (new requests get 503), running requests may
-finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503
-or, streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
+On the first SIGTERM or SIGINT the engine stops admitting and uvicorn stops listening (new connections are
+refused; a new request on a connection already open gets 503), running requests may finish for
+`--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503 or,
+streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
 second SIGINT forces uvicorn to quit at once. Limits and site checks: `runtime/server/options.py`.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import signal
-import sys
+import socket
 
 import uvicorn
 
 from runtime.options import announce_settings, engine_config
+from runtime.server.chat_template import ChatPrompt
 from runtime.server.engine_process import EngineProcess
+from runtime.server.openai_options import OpenAIOptions
 from runtime.server.options import ServerOptions
+from runtime.startup import announce, bind_port
 
 
 class _DrainingServer(uvicorn.Server):
@@ -40,8 +49,13 @@ def _exit_cleanly(signum, frame) -> None:
     raise SystemExit(0)
 
 
-def serve(args: argparse.Namespace) -> int:
-    from runtime.models.registry import resolve_model
+def serve(args: argparse.Namespace, listener: socket.socket | None = None) -> int:
+    """Build (each phase announced as it starts), then serve on `listener` (bound by the CLI before anything
+    was imported: `startup.bind_port`). Mistakes found on the way raise ValueError/RuntimeError/OSError with
+    one line that says how to fix them (the CLI prints it)."""
+    if listener is None:
+        listener = bind_port(args.host, args.port)
+    from runtime.models.registry import check_model_files, resolve_model
     from runtime.models.tokenizer import load_tokenizer
     from runtime.server.app import create_app
     from runtime.server.connections import uvicorn_config
@@ -52,17 +66,40 @@ def serve(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     announce_settings(cfg)
     opts = ServerOptions.from_args(args)
-    model_name = resolve_model(cfg.model).name
-    engine_loop = EngineProcess(cfg, load_tokenizer(cfg.model), max_queued_requests=opts.max_queued_requests,
+    api = OpenAIOptions.from_args(args)
+    announce(f"resolving the model {cfg.model}")
+    source = resolve_model(cfg.model)
+    check_model_files(source)
+    announce("loading the tokenizer")
+    tokenizer = load_tokenizer(cfg.model)
+    chat_prompt = ChatPrompt.load(api.chat_template, cfg.model, tokenizer)
+    announce(f"chat prompts: {chat_prompt.origin}")
+    engine_loop = EngineProcess(cfg, tokenizer, max_queued_requests=opts.max_queued_requests,
                                 log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level,
                                 instance=instance)
-    engine_loop.start()  # returns once the engine process has built the engine
-    app = create_app(engine_loop, model_name=model_name, options=opts)
+    announce("starting the engine process (it loads the weights, warms up and captures decode graphs)")
+    try:
+        engine_loop.start()  # returns once the engine process has built the engine
+    except KeyboardInterrupt:
+        for child in multiprocessing.active_children():  # it ignores SIGINT/SIGTERM: the front end decides
+            child.kill()
+        raise
+    app = create_app(engine_loop, model_name=source.name, options=opts, openai=api, chat_prompt=chat_prompt)
     config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
     server = _DrainingServer(config, engine_loop, opts.shutdown_timeout_s)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
-    print(f"swa-runtime: {model_name} loaded; starting the server on http://{args.host}:{args.port} "
-          "(POST /generate, /v1/completions; GET /v1/models, /metrics, /health)", file=sys.stderr, flush=True)
-    server.run()
+    announce(f"listening on http://{args.host}:{args.port} serving {app.state.model_name}: {routes_of(app)}")
+    server.run(sockets=[listener])
     return 0 if server.started else 1
+
+
+def routes_of(app) -> str:
+    """`POST /v1/chat/completions, ...; GET /v1/models, ...`: what the app answers (docs pages aside)."""
+    by_method: dict[str, list[str]] = {}
+    for route in app.routes:
+        for method in sorted(getattr(route, "methods", None) or ()):
+            if method in ("GET", "POST") and route.path not in ("/docs", "/redoc", "/openapi.json",
+                                                                 "/docs/oauth2-redirect"):
+                by_method.setdefault(method, []).append(route.path)
+    return "; ".join(f"{m} {', '.join(paths)}" for m, paths in sorted(by_method.items(), reverse=True))

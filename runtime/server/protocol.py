@@ -2,7 +2,8 @@
 
 Bodies are validated in strict mode on the parsed JSON: `"16"` or `16.5` is not a token count and `1` is
 not a boolean. Unknown fields are refused rather than silently ignored, so that a misspelt or unsupported
-option (`logprobs`, `best_of`, ...) gets an error naming it instead of a completion that ignored it.
+option gets an error naming it instead of a completion that ignored it. A body that breaks its schema is a
+400 (as OpenAI and vLLM answer), with one clause per problem. The OpenAI bodies: `openai_request.py`.
 
 Before the schema sees a body, `parse_json` refuses what JSON parsing alone would let through or crash on:
 non-UTF-8 bytes, `NaN`/`Infinity`, integers over Python's digit limit, nesting deeper than
@@ -13,10 +14,11 @@ says which.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from runtime.core import SamplingParams
 
@@ -106,40 +108,6 @@ class GenerateRequest(StrictBody):
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of `text` or `input_ids`")
         return self
-
-
-class CompletionRequest(StrictBody):
-    """`POST /v1/completions` (OpenAI-compatible subset; `top_k` and `ignore_eos` are extensions)."""
-
-    model: str | None = None  # None: the served model
-    prompt: str | list[int]
-    max_tokens: int = Field(16, ge=1, le=MAX_NEW_TOKENS_CAP)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    n: int = Field(1, ge=1, le=1)
-    stop: Stop = None
-    stream: bool = False
-    ignore_eos: bool = False
-    user: str | None = None  # accepted for compatibility, unused
-    # The SGLang router adds these to every body it forwards, at these defaults.
-    echo: OnlyFalse = False
-    no_stop_trim: OnlyFalse = False
-    skip_special_tokens: OnlyTrue = True
-    return_hidden_states: OnlyFalse = False
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, v: Any) -> Any:
-        if isinstance(v, list) and not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
-            raise ValueError("must be a string or a list of token ids (batched prompts are not supported)")
-        if not isinstance(v, (str, list)):
-            raise ValueError(f"must be a string or a list of token ids, got {type(v).__name__}")
-        return v
-
-    def to_params(self) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, ignore_eos=self.ignore_eos)
 
 
 class AbortRequest(StrictBody):
@@ -237,7 +205,7 @@ def validate(model: type[StrictBody], data: Any) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise APIError(422, describe_validation_error(exc)) from None
+        raise APIError(400, describe_validation_error(exc)) from None
 
 
 def describe_validation_error(exc: ValidationError) -> str:
@@ -250,7 +218,8 @@ def describe_validation_error(exc: ValidationError) -> str:
             msg = "expected a JSON object"
         elif err["type"] not in ("missing", "value_error") and _short_scalar(err.get("input")):
             msg += f" (got {json.dumps(err['input'])})"
-        parts.append(f"{where}: {msg}")
+        named = not err["loc"] and re.match(r"[a-z_]+: ", msg)  # a body-level check that names its field
+        parts.append(msg if named else f"{where}: {msg}")
     return "; ".join(dict.fromkeys(parts))
 
 
@@ -286,13 +255,16 @@ def generate_body(rid: str, text: str, output_ids: list[int], prompt_tokens: int
                      "finish_reason": finish_reason}}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish_reason: str | None,
-                    usage: tuple[int, int] | None) -> dict:
+def completion_body(rid: str, created: int, model: str, choices: list[dict], usage: tuple[int, int] | None) -> dict:
     body = {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": choices}
     if usage is not None:
         body["usage"] = usage_body(usage)
     return body
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage_body(usage: tuple[int, int]) -> dict:

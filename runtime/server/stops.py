@@ -94,6 +94,8 @@ class TextPiece:
     text: str
     finish_reason: str | None = None
     failure: tuple[int, str, str] | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens this piece's event brought (their text may be held back)
+    logprobs: tuple = ()  # TokenLogprob of each of them, when the request asked
 
 
 async def text_pieces(stream: RequestStream, tokenizer, stops: Iterable[str] = ()) -> AsyncIterator[TextPiece]:
@@ -105,9 +107,9 @@ async def text_pieces(stream: RequestStream, tokenizer, stops: Iterable[str] = (
         text = matcher.push(deltas.push(ev.token_ids, final=final))
         if matcher.stopped:
             stream.finish("stop")
-            yield TextPiece(text, "stop")
+            yield TextPiece(text, "stop", None, ev.token_ids, ev.logprobs)
             return
         if final:
             text += matcher.flush()
         failure = failure_of(ev.finish_reason, ev.message)
-        yield TextPiece(text, None if failure else ev.finish_reason, failure)
+        yield TextPiece(text, None if failure else ev.finish_reason, failure, ev.token_ids, ev.logprobs)

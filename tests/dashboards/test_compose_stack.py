@@ -142,7 +142,7 @@ def test_dockerfile_base_entrypoint_and_no_registry_host():
     text = (REPO / "Dockerfile").read_text()
     assert re.search(r"^FROM python:3\.11-slim\b", text, re.MULTILINE)
     assert "ARG PIP_EXTRA_ARGS" in text and "${PIP_EXTRA_ARGS}" in text
-    assert '".[model]"' in text
+    assert '".[model,server]"' in text  # serve needs the server extra
     assert 'ENTRYPOINT ["swa-runtime"]' in text
     assert 'CMD ["serve", "--host", "0.0.0.0", "--port", "30000"]' in text
     instructions = [line for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]

@@ -22,6 +22,8 @@ PROM = REPO / "dashboards" / "prometheus"
 RULE_FILES = sorted((PROM / "rules").glob("*.yml"))
 TEST_FILES = sorted((PROM / "tests").glob("*.yml"))
 RUNBOOKS = REPO / "docs" / "runbooks.md"
+# Prefixed by the `runbook_base` external label when Prometheus sets one (absolute links), else repo-relative.
+RUNBOOK_BASE = "{{ $externalLabels.runbook_base }}"
 EXPECTED_ALERTS = {
     "SWARuntimeStaleLoc",
     "SWARuntimeMissingInvalidation",
@@ -122,14 +124,14 @@ def test_alert_set_labels_and_annotations():
         assert rule["labels"]["severity"] in ("critical", "warning"), rule["alert"]
         for key in ("summary", "description", "runbook_url"):
             assert rule["annotations"].get(key, "").strip(), f"{rule['alert']} lacks {key}"
-        assert rule["annotations"]["runbook_url"] == f"docs/runbooks.md#{rule['alert'].lower()}"
+        assert rule["annotations"]["runbook_url"] == f"{RUNBOOK_BASE}docs/runbooks.md#{rule['alert'].lower()}"
 
 
 def test_runbook_anchor_exists_for_every_alert():
     markdown = RUNBOOKS.read_text()
     anchors = github_anchors(markdown)
     for rule in alerts():
-        path, anchor = rule["annotations"]["runbook_url"].split("#")
+        path, anchor = rule["annotations"]["runbook_url"].removeprefix(RUNBOOK_BASE).split("#")
         assert (REPO / path).resolve() == RUNBOOKS.resolve()
         assert anchor in anchors, f"docs/runbooks.md has no heading for #{anchor}"
 

@@ -63,13 +63,15 @@ class LiveServer:
         self.thread.join(30)
 
 
-def start_server(engine: Engine, shutdown_timeout_s: float = 5.0, logger=None, **options) -> LiveServer:
-    """Serve `engine` on 127.0.0.1 (a free port) with `ServerOptions(**options)` and the server's own
-    uvicorn config (connection limits and timeouts included); the engine loop logs to `logger` if given."""
+def start_server(engine: Engine, shutdown_timeout_s: float = 5.0, logger=None, openai=None, chat_prompt=None,
+                 **options) -> LiveServer:
+    """Serve `engine` on 127.0.0.1 (a free port) with `ServerOptions(**options)` (and `OpenAIOptions`
+    `openai`, a `ChatPrompt`) and the server's own uvicorn config (connection limits and timeouts included);
+    the engine loop logs to `logger` if given."""
     opts = ServerOptions(port=0, shutdown_timeout_s=shutdown_timeout_s, **options)
     engine_loop = EngineLoop(engine, max_queued_requests=opts.max_queued_requests, log_requests=opts.log_requests,
                              logger=logger)
-    app = create_app(engine_loop, model_name="tiny", options=opts)
+    app = create_app(engine_loop, model_name="tiny", options=opts, openai=openai, chat_prompt=chat_prompt)
     server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()

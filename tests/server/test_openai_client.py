@@ -64,10 +64,10 @@ def test_chat_completions_create(oa, live):
 
 
 def test_errors_raise_the_clients_exceptions(oa, live):
-    with pytest.raises(openai.UnprocessableEntityError, match=r"n: only one choice per request") as e:
-        oa.chat.completions.create(model="tiny", messages=MESSAGES, n=2)
-    assert e.value.status_code == 422 and e.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.UnprocessableEntityError, match="tools: not supported"):
+    with pytest.raises(openai.BadRequestError, match=r"presence_penalty: penalties are not supported") as e:
+        oa.chat.completions.create(model="tiny", messages=MESSAGES, presence_penalty=0.5)
+    assert e.value.status_code == 400 and e.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError, match="tools: not supported"):
         oa.chat.completions.create(model="tiny", messages=MESSAGES,
                                    tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])
     with pytest.raises(openai.BadRequestError, match="exceeds the context length of 1024 tokens"):

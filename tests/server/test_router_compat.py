@@ -35,13 +35,13 @@ def test_router_generate_body_is_served_like_ours(client):
                                           ("return_bytes", True), ("return_entropy", True)])
 def test_router_fields_asking_for_what_we_do_not_do_are_refused(client, field, value):
     r = generate(client, **{field: value})
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert r.json()["error"]["message"] == f"{field}: only false is supported by this server"
 
 
 def test_unknown_fields_and_other_models_are_still_refused(client):
     r = generate(client, bogus=1)
-    assert r.status_code == 422 and "bogus" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "bogus" in r.json()["error"]["message"]
     r = generate(client, model="gemma3-270m")
     assert r.status_code == 404 and "'gemma3-270m' not found" in r.json()["error"]["message"]
     assert generate(client, model="tiny").status_code == 200
@@ -58,7 +58,7 @@ def test_router_chat_fields_at_their_defaults_are_served_and_others_refused(clie
     assert routed.status_code == 200, routed.text
     assert routed.json()["choices"][0]["message"] == ours["choices"][0]["message"]
     r = client.post("/v1/chat/completions", json={**body, **ROUTER_CHAT_FIELDS, "continue_final_message": True})
-    assert r.status_code == 422
+    assert r.status_code == 400
     assert r.json()["error"]["message"] == "continue_final_message: only false is supported by this server"
 
 
@@ -68,7 +68,8 @@ def test_router_completion_fields_and_request_id_header(client):
     assert r.status_code == 200, r.text
     assert r.json()["id"] == "cmpl-trace-42" and r.json()["usage"]["completion_tokens"] == 5
     r = client.post("/v1/completions", json={**body, "echo": True})
-    assert r.status_code == 422 and r.json()["error"]["message"] == "echo: only false is supported by this server"
+    assert r.status_code == 400 and r.json()["error"]["message"] == (
+        "echo: the prompt is not echoed by this server (only false) (got true)")
     r = client.post("/v1/completions", json=body, headers={"X-Request-Id": "x" * 129})
     assert r.status_code == 400 and "at most 128" in r.json()["error"]["message"]
 
@@ -124,6 +125,6 @@ def test_abort_request_ends_the_stream_and_frees_its_slots(client, live, abort):
 
 def test_abort_request_validates_its_body(client):
     r = client.post("/abort_request", json={})
-    assert r.status_code == 422 and "exactly one of `rid` or `abort_all: true`" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "exactly one of `rid` or `abort_all: true`" in r.json()["error"]["message"]
     assert client.post("/abort_request", content=b'{"rid": "x"}').status_code == 415
     assert client.post("/abort_request", json={"abort_all": True}).status_code == 200

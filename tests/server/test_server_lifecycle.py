@@ -244,4 +244,4 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
         if proc.poll() is None:
             proc.kill()
     out = proc.stdout.read()
-    assert f"starting the server on http://127.0.0.1:{port}" in out and "Finished server process" in out
+    assert f"listening on http://127.0.0.1:{port} serving tiny" in out and "Finished server process" in out

@@ -54,7 +54,7 @@ def test_metrics_count_exactly_what_was_sent(fresh):
         assert sum(len(e["output_ids"]) for e in events[:-1]) == n_new
         # rejected at admission (longer than the context), and refused before it (schema): only the first counts
         assert client.post("/generate", json={"input_ids": [5] * 1100}).status_code == 400
-        assert client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}).status_code == 422
+        assert client.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 0}}).status_code == 400
 
         fresh.wait_idle_clean()
         after = scrape(client)
