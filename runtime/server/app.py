@@ -7,16 +7,19 @@ as `{"error": {"message", "type", "code"}}`:
 
 | status | when |
 |---|---|
-| 400 | malformed JSON (also too deep, huge integers, invalid Unicode) or a request the engine can never serve |
-| 403 | a Host or Origin this server does not answer (`site_guard.py`) |
+| 400 | malformed JSON (also too deep, huge integers, invalid Unicode), Content-Length with Transfer-Encoding, or a request the engine can never serve |
+| 401 | a state-changing route without the right admin token (`admin.py`) |
+| 403 | a Host or Origin this server does not answer (`site_guard.py`); a state-changing route with no admin token configured |
 | 404 | an unknown model or route |
 | 408 | headers or body too slow (`connections.py`, `body.py`) |
+| 410 | the request was cancelled by an operator (`/abort_request`) |
 | 413 | a body over `--max-request-bytes` |
 | 415 | a POST without `Content-Type: application/json` |
 | 422 | a body that breaks the schema (also an option the server does not support, named) |
 | 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
-| 500 | the engine failed the request |
-| 503 | draining, the engine thread stopped, the request was cut by shutdown, or too many connections |
+| 500 | the engine failed the request (or its process died under it) |
+| 503 | draining (with Connection: close), the engine down or restarting, the request cut by shutdown, or too many connections |
+| 504 | the request ran past `--request-timeout` |
 
 Checks run cheapest first, so that a hostile request costs little: site, content type and size before the
 body is read, the queue before tokenizing, the prompt's length before the engine sees it.
@@ -41,13 +44,15 @@ from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
 from runtime.server import chat, protocol, router_compat
+from runtime.server.admin import AdminToken
 from runtime.server.body import read_body, require_json
-from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
+from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream, RequestTimedOut
 from runtime.server.options import ServerOptions
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
 from runtime.server.stops import TextDeltas, text_pieces
 from telemetry.collector import process_registry
+from telemetry.stats import FrontEndStats
 
 # No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
 # pieces are 31: runs of newlines, spaces or tabs; the byte tokenizer's is 1), so a text longer than this
@@ -57,13 +62,20 @@ OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off 
 RETRY_AFTER_S = "1"
 
 
-def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None) -> FastAPI:
+def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None,
+               front_end_stats: FrontEndStats | None = None) -> FastAPI:
     """The app serving the engine behind `engine_loop` (a thread beside the event loop, or its own process)
-    as `model_name`. Its lifespan starts the engine (unless already started) and drains it on shutdown."""
+    as `model_name`. Its lifespan starts the engine (unless already started) and drains it on shutdown.
+    `front_end_stats`: the serving process's own counters (made here if not given; `app.state` keeps it)."""
     opts = options if options is not None else ServerOptions()
     tokenizer = engine_loop.tokenizer
     context_length = engine_loop.context_length
-    front_end = process_registry()  # this process's CPU, memory, GC; the engine's counters come from the loop
+    stats = front_end_stats if front_end_stats is not None else FrontEndStats()
+    stats.engine_up = lambda: engine_loop.alive
+    # this process's CPU, memory, GC and its own series (engine up, restarts, HTTP answers); the engine's
+    # counters come from the loop
+    front_end = process_registry(stats)
+    admin = AdminToken(opts.admin_token)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -77,6 +89,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     app = FastAPI(title="swa-runtime", lifespan=lifespan, docs_url="/docs" if docs else None,
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop = engine_loop
+    app.state.front_end_stats = stats
     if opts.allowed_origins:  # answer the CORS preflights of the origins allowed (the guard refuses others)
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "Authorization"])
@@ -100,7 +113,16 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-        return error(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+        return error(503, str(exc), "service_unavailable", headers=unavailable_headers())
+
+    @app.exception_handler(RequestTimedOut)
+    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
+        return error(504, str(exc), "timeout_error")
+
+    def unavailable_headers() -> dict[str, str]:
+        """Retry-After; while draining also Connection: close, so kept-alive clients move to another replica."""
+        draining = engine_loop.alive and not engine_loop.accepting
+        return {"Retry-After": "5", **({"Connection": "close"} if draining else {})}
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -179,7 +201,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     # ---- routes ------------------------------------------------------------------------------------------
     live = router_compat.LiveRequests()  # by the ids clients gave, for /abort_request
     router_compat.add_routes(app, engine_loop=engine_loop, model_name=model_name, live=live,
-                             body_timeout_s=opts.body_timeout_s)
+                             body_timeout_s=opts.body_timeout_s, admin=admin)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -190,7 +212,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
                                      params.max_new_tokens)
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, opts.request_timeout_s)
         rid = live.add(stream, client_rid)
         if body.stream:
             return SSEResponse(_generate_events(stream, tokenizer, rid), on_close=stream.abort)
@@ -207,7 +229,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         engine_loop.check_admission()
         prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
         stops = protocol.stop_strings(body.stop)
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, opts.request_timeout_s)
         rid = live.add(stream, client_rid)
         now = int(time.time())
         if body.stream:
@@ -226,7 +248,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         prompt_ids = await prompt_of(chat.render(body.messages), asked or 1)
         params = body.to_params(asked or context_length - len(prompt_ids))  # default: what the context leaves
         stops = body.stop_strings()
-        stream = await engine_loop.submit(prompt_ids, params)
+        stream = await engine_loop.submit(prompt_ids, params, opts.request_timeout_s)
         now = int(time.time())
         if body.stream:
             return SSEResponse(chat.chat_events(stream, tokenizer, model_name, now, stops, body.include_usage),
@@ -249,8 +271,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         if engine_loop.accepting:
             running, waiting = engine_loop.queue_sizes()
             return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
-        why = "the server is shutting down" if engine_loop.alive else engine_loop.DOWN_MESSAGE
-        return error(503, why, "service_unavailable")
+        why = "the server is shutting down" if engine_loop.alive else engine_loop.down_reason
+        return error(503, why or engine_loop.DOWN_MESSAGE, "service_unavailable", headers=unavailable_headers())
 
     return app
 
