@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ import httpx
 import pytest
 import uvicorn
 from conftest import sse_events
+from live_helpers import free_port
 
 from runtime.config import EngineConfig
 from runtime.models.tokenizer import load_tokenizer
@@ -203,12 +203,6 @@ def test_an_engine_hung_past_the_kill_limit_is_killed_and_restarted():
             assert greedy(c) == before
     finally:
         srv.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:
