@@ -48,6 +48,7 @@ from runtime.server.admin import AdminToken
 from runtime.server.body import read_body, require_json
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream, RequestTimedOut
 from runtime.server.options import ServerOptions
+from runtime.server.prompt_bounds import encode_within
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
 from runtime.server.stops import TextDeltas, text_pieces
@@ -150,7 +151,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         return _parse_validate(model, raw)
 
     async def prompt_of(prompt: str | list[int], max_new_tokens: int) -> list[int]:
-        """Token ids of a text or id-list prompt, refused early (counted `rejected`) when it cannot fit."""
+        """Token ids of a text or id-list prompt, refused early (counted `rejected`) when it cannot fit: a text
+        longer than any tokenization could fit at once, a long one after bounded work (`prompt_bounds.py`)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt: give a non-empty `text` (or `input_ids`)")
@@ -158,8 +160,13 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
                 raise engine_loop.reject(
                     f"prompt text of {len(prompt)} characters cannot fit the context length of {context_length} "
                     f"tokens (at most {MAX_CHARS_PER_TOKEN * context_length} characters)")
-            ids = (await anyio.to_thread.run_sync(tokenizer.encode, prompt) if len(prompt) > OFF_LOOP_BYTES
-                   else tokenizer.encode(prompt))
+            budget = context_length - max_new_tokens
+            ids = (await anyio.to_thread.run_sync(encode_within, tokenizer, prompt, budget)
+                   if len(prompt) > OFF_LOOP_BYTES else encode_within(tokenizer, prompt, budget))
+            if ids is None:
+                raise engine_loop.reject(f"prompt text of {len(prompt)} characters is longer than the "
+                                         f"{budget} tokens that the context length of {context_length} leaves "
+                                         f"beside max_new_tokens ({max_new_tokens})")
         else:
             ids = prompt
         if len(ids) + max_new_tokens > context_length:
