@@ -31,6 +31,8 @@ EXPECTED_ALERTS = {
     "SWARuntimeKVPoolPressure",
     "SWARuntimeMetricsAbsent",
     "SWARuntimeRequestErrors",
+    "SWARuntimeEngineDown",
+    "SWARuntimeEngineRestarts",
     "SWARuntimeRequestsRefused",
 }
 
