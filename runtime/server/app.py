@@ -61,6 +61,7 @@ from telemetry.stats import FrontEndStats
 MAX_CHARS_PER_TOKEN = 64
 OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off the event loop
 RETRY_AFTER_S = "1"
+MAX_ECHOED_CHARS = 64  # a client's value quoted back in an error is cut here (a 3 MB model name is not echoed)
 
 
 def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None,
@@ -203,7 +204,9 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
-            raise APIError(404, f"model {model!r} not found; this server serves {model_name!r}", "not_found_error")
+            named = (repr(model) if len(model) <= MAX_ECHOED_CHARS
+                     else f"{model[:MAX_ECHOED_CHARS]!r}... ({len(model)} characters)")
+            raise APIError(404, f"model {named} not found; this server serves {model_name!r}", "not_found_error")
 
     # ---- routes ------------------------------------------------------------------------------------------
     live = router_compat.LiveRequests()  # by the ids clients gave, for /abort_request
