@@ -7,10 +7,17 @@ default). The router comes up first with no workers; each replica is added throu
 Supervision: a replica that exits is taken out of the rotation at once (`DELETE /workers/{id}`), restarted on
 the same port, so it keeps its Prometheus `instance`, after a backoff (1 s doubling to 30 s, reset once it has
 served for a minute), and added back when healthy. Meanwhile the router retries a request that fails to
-reach it on another replica. A replica that hangs while holding its port is left to the router's own health
-checks (`/health` every `--health-check-interval` seconds). A replica that exits before it was ever healthy
-is a configuration error: the fleet stops. The router is restarted if it exits, and the serving replicas are
-added to the new one.
+reach it on another replica. Each replica supervises its own engine process (restarts it, and exits with
+status 3 when its restart budget is spent); a serving replica whose `/health` has failed for
+`UNHEALTHY_KILL_S` all the same (its engine down and not coming back) is killed and restarted like one that
+exited. A serving replica missing from the router's worker list (removed by someone else) is added again. A
+replica that exits before it was ever healthy is a configuration error: the fleet stops. The router is
+restarted if it exits, and the serving replicas are added to the new one.
+
+The router's worker API (`/workers`: list, add, remove) is its control plane: the fleet starts the router
+with an admin key (`SWA_RUNTIME_ADMIN_TOKEN` if set, else a random one) and only callers that present it
+(`Authorization: Bearer`) may use it; anyone else gets 401, so a client or a web page cannot take a replica
+out or add a worker of its own.
 
 Shutdown (SIGTERM or SIGINT to the fleet): SIGTERM to every replica, each draining like `serve` (no new
 requests, running ones finish for `--shutdown-timeout` seconds, the rest are aborted), then SIGTERM to the
@@ -27,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -46,6 +54,11 @@ POLL_S = 0.2
 BACKOFF_S = (1.0, 30.0)  # first restart delay, cap (doubling in between)
 STABLE_S = 60.0  # serving this long resets a replica's backoff
 REGISTER_TIMEOUT_S = 30.0  # a replica the router has not shown healthy by then is added again
+CHECK_S = 1.0  # how often serving replicas' /health and the router's worker list are looked at
+# A serving replica whose /health fails this long is killed and restarted: longer than a replica takes to
+# kill a hung engine (--engine-hang-kill, 30 s) and restart it, so the replica gets to heal itself first.
+UNHEALTHY_KILL_S = 120.0
+ADMIN_TOKEN_ENV = "SWA_RUNTIME_ADMIN_TOKEN"
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 ROUTER_JOB, REPLICA_JOB = "swa-router", "swa-runtime"  # the jobs in --prometheus-targets
 
@@ -152,6 +165,7 @@ class Replica:
     backoff_s: float = BACKOFF_S[0]
     serving_since: float | None = None
     ever_healthy: bool = False
+    unhealthy_since: float | None = None  # serving, but /health failing since
 
     @property
     def url(self) -> str:
@@ -159,15 +173,16 @@ class Replica:
 
 
 class RouterClient:
-    """The router's worker API: GET /workers, POST /workers {"url"}, DELETE /workers/{id}."""
+    """The router's worker API: GET /workers, POST /workers {"url"}, DELETE /workers/{id}, with the admin key."""
 
-    def __init__(self, url: str, timeout_s: float = 5.0):
+    def __init__(self, url: str, admin_key: str, timeout_s: float = 5.0):
         self.url, self.timeout_s = url, timeout_s
+        self._auth = {"Authorization": f"Bearer {admin_key}"}
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
+        headers = {**self._auth, **({"Content-Type": "application/json"} if data else {})}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             return json.loads(r.read() or b"{}")
 
@@ -199,8 +214,10 @@ class Fleet:
         metrics_port = opts.router_metrics_port or free_port(opts.host)
         self.router_url = f"http://{opts.host}:{opts.port}"
         self.router_metrics = f"{opts.host}:{metrics_port}"
+        self.admin_key = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.router = Child("router", self._router_argv(metrics_port), self._log("router"))
-        self.client = RouterClient(self.router_url)
+        self.client = RouterClient(self.router_url, self.admin_key)
+        self._checked_at = 0.0
         self.replicas = []
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.replicas)))
@@ -219,6 +236,7 @@ class Fleet:
                 "--policy", o.policy, "--prometheus-host", o.host, "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(o.health_check_interval_s), "--health-failure-threshold", "2",
                 "--health-success-threshold", "1", "--shutdown-grace-period-secs", str(int(o.shutdown_timeout_s)),
+                "--control-plane-api-keys", f"fleet:swa-runtime fleet:admin:{self.admin_key}",
                 "--log-level", "warn", *o.router_argv]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -239,6 +257,9 @@ class Fleet:
             for r in self.replicas:
                 if not self._supervise(r):
                     status, self.stopping = 1, True
+            if time.monotonic() - self._checked_at >= CHECK_S:
+                self._checked_at = time.monotonic()
+                self._check_serving()
             if not ready and all(r.state == "serving" for r in self.replicas):
                 ready = True
                 print(f"swa-runtime fleet: {len(self.replicas)} replicas ({', '.join(r.url for r in self.replicas)}) "
@@ -305,6 +326,29 @@ class Fleet:
             elif now - r.state_since > REGISTER_TIMEOUT_S:
                 self._enter(r, "starting")
         return True
+
+    def _check_serving(self) -> None:
+        """Serving replicas: add back one the router lost; kill one whose /health has failed too long."""
+        serving = [r for r in self.replicas if r.state == "serving"]
+        if not serving:
+            return
+        registered = self._try(self.client.workers)
+        now = time.monotonic()
+        for r in serving:
+            if isinstance(registered, dict) and r.url not in registered:
+                log.warning("fleet_replica_missing_from_router", replica=r.number, url=r.url)
+                if self._try(self.client.add, r.url):
+                    self._enter(r, "registering")
+                continue
+            if _get_ok(r.url + "/health"):
+                r.unhealthy_since = None
+            elif r.unhealthy_since is None:
+                r.unhealthy_since = now
+            elif now - r.unhealthy_since >= UNHEALTHY_KILL_S:
+                log.error("fleet_replica_unhealthy_killed", replica=r.number, url=r.url,
+                          unhealthy_s=round(now - r.unhealthy_since))
+                r.unhealthy_since = None
+                r.child.proc.kill()  # the next look sees it exit and restarts it
 
     def _restart_router(self) -> None:
         log.warning("fleet_router_exited", exit_status=self.router.exited)

@@ -61,6 +61,7 @@ from telemetry.stats import FrontEndStats
 MAX_CHARS_PER_TOKEN = 64
 OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off the event loop
 RETRY_AFTER_S = "1"
+ENGINE_RETURN_WAIT_S = 30.0  # a new request waits this long for a restarting engine before its 503
 MAX_ECHOED_CHARS = 64  # a client's value quoted back in an error is cut here (a 3 MB model name is not echoed)
 
 
@@ -202,6 +203,12 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
             result = await _until_disconnect(read(), request)
         return result if result is not None else ("", "abort")  # client gone; nobody reads this response
 
+    async def admit() -> None:
+        """Refuse now what `submit` would refuse, cheaply; but hold a request while a dead engine process is
+        being replaced (up to `ENGINE_RETURN_WAIT_S`), so a restart costs clients a wait, not a 503."""
+        await engine_loop.wait_until_restarted(ENGINE_RETURN_WAIT_S)
+        engine_loop.check_admission()
+
     def check_model(model: str | None) -> None:
         if model is not None and model != model_name:
             named = (repr(model) if len(model) <= MAX_ECHOED_CHARS
@@ -219,7 +226,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, body.rid)
         params = body.sampling_params.to_params()
-        engine_loop.check_admission()
+        await admit()
         prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
                                      params.max_new_tokens)
         stream = await engine_loop.submit(prompt_ids, params, opts.request_timeout_s)
@@ -236,7 +243,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, None)
         params = body.to_params()
-        engine_loop.check_admission()
+        await admit()
         prompt_ids = await prompt_of(body.prompt, params.max_new_tokens)
         stops = protocol.stop_strings(body.stop)
         stream = await engine_loop.submit(prompt_ids, params, opts.request_timeout_s)
@@ -253,7 +260,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, chat.ChatCompletionRequest)
         check_model(body.model)
-        engine_loop.check_admission()
+        await admit()
         asked = body.max_new_tokens()
         prompt_ids = await prompt_of(chat.render(body.messages), asked or 1)
         params = body.to_params(asked or context_length - len(prompt_ids))  # default: what the context leaves

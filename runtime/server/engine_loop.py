@@ -232,6 +232,9 @@ class EngineLoop:
         """Why the engine cannot serve (None while it can)."""
         return None if self.alive else self.DOWN_MESSAGE
 
+    async def wait_until_restarted(self, timeout_s: float) -> None:
+        """Nothing restarts an engine thread: returns at once (see `EngineProcess`)."""
+
     def busy_s(self) -> float:
         """How long the step now running has run (0 between steps): a heartbeat reports it, so a step that
         never returns reads as a hung engine."""

@@ -69,6 +69,7 @@ class EngineProcess:
         self._dead: str | None = None  # why the engine process is gone
         self._unresponsive: str | None = None  # why the supervisor thinks a live process cannot serve
         self._lost = 0  # requests a dead engine process took with it, to count on the next one
+        self.restartable = False  # a supervisor will replace a dead process (it sets this; False once it gives up)
         self._reader: threading.Thread | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -124,6 +125,14 @@ class EngineProcess:
                 why = self._dead or "timed out"
                 self.kill()
                 raise RuntimeError(f"the engine process failed to start: {why}")
+
+    async def wait_until_restarted(self, timeout_s: float) -> None:
+        """While a dead engine process is being replaced, wait (up to `timeout_s`) until the new one is ready;
+        returns at once otherwise (alive, hung, shutting down, or nobody restarts it)."""
+        deadline = time.monotonic() + timeout_s
+        while (self._dead is not None or not self._ready.is_set()) and self.restartable and self._accepting \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def ping(self) -> concurrent.futures.Future:
         """A heartbeat: answered by the engine process's pipe reader with `{"busy_s": s}`, how long the

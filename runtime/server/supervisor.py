@@ -68,10 +68,12 @@ class EngineSupervisor:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
+        self.engine.restartable = self.policy.max_restarts > 0
         self._thread = threading.Thread(target=self._run, name="swa-runtime-supervisor", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
+        self.engine.restartable = False
         self._stop.set()
         if self._thread is not None:
             self._thread.join(10.0)
@@ -137,6 +139,7 @@ class EngineSupervisor:
 
     def _give_up(self, reason: str) -> bool:
         self.gave_up = reason
+        self.engine.restartable = False
         log.error("engine_supervisor_gave_up", reason=reason)
         self.on_give_up(reason)
         return False

@@ -1,7 +1,7 @@
 """Engine supervision for real: the engine process is killed (SIGKILL) and stopped (SIGSTOP) under a live
 server on loopback. /health says why within seconds, /metrics keeps answering with the front end's series,
-a dead engine is restarted (counted; its series back from 0; the requests it took counted `error`; greedy
-outputs token-identical), a hung one is reported, then killed and restarted, a request never outlives its
+a dead engine is restarted (counted; its series back from 0; the requests it took counted `error`; a request
+arriving meanwhile held until it is back; greedy outputs token-identical), a hung one is reported, then killed and restarted, a request never outlives its
 deadline, and a spent restart budget makes `serve` exit with status 3."""
 
 from __future__ import annotations
@@ -142,12 +142,15 @@ def test_a_killed_engine_is_restarted_its_lost_request_counted_and_outputs_uncha
                 assert metric(down.text, "swa_runtime_engine_up") == 0
                 assert "swa_runtime_kv_tokens" not in down.text
 
-            wait_for(lambda: c.get("/health").status_code == 200, 30, "the engine was not restarted")
+            # a request arriving while the engine is replaced waits for it instead of a 503
+            held = c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": GREEDY})
+            assert held.status_code == 200 and held.json()["output_ids"] == before[0]
+            assert c.get("/health").status_code == 200
             metrics = c.get("/metrics").text
             assert metric(metrics, "swa_runtime_engine_up") == 1
             assert metric(metrics, "swa_runtime_engine_restarts_total") == 1
             assert metric(metrics, 'swa_runtime_requests_total{status="error"}') == 1  # the lost stream
-            assert metric(metrics, 'swa_runtime_requests_total{status="finished"}') == 0  # from 0 again
+            assert metric(metrics, 'swa_runtime_requests_total{status="finished"}') == 1  # from 0 again: the held one
             assert metric(metrics, 'swa_runtime_kv_tokens{pool="full",state="used"}') == 0
             assert greedy(c) == before
             srv.engine.call("assert_idle_clean").result(10)
