@@ -1,8 +1,8 @@
 """`swa-runtime fleet`: N `serve` replicas on loopback behind the SGLang router, on one machine.
 
-It only starts and supervises processes; the routing is the router's (`sglang-router`, cache-aware by
-default). The router comes up first with no workers; each replica is added through the router's worker API
-(`POST /workers`) once its `/health` answers 200.
+It starts and supervises processes and serves the public port; the routing is the router's (`sglang-router`,
+cache-aware by default). The router comes up first with no workers; each replica is added through the router's
+worker API (`POST /workers`) once its `/health` answers 200.
 
 Supervision: a replica that exits is taken out of the rotation at once (`DELETE /workers/{id}`), restarted on
 the same port, so it keeps its Prometheus `instance`, after a backoff (1 s doubling to 30 s, reset once it has
@@ -14,8 +14,10 @@ exited. A serving replica missing from the router's worker list (removed by some
 replica that exits before it was ever healthy is a configuration error: the fleet stops. The router is
 restarted if it exits, and the serving replicas are added to the new one.
 
-The router's worker API (`/workers`: list, add, remove) is its control plane: the fleet starts the router
-with an admin key (`SWA_RUNTIME_ADMIN_TOKEN` if set, else a random one) and only callers that present it
+Clients reach the fleet through a small front on `--host:--port` (`fleet_front.py`: `serve`'s Host and Origin
+checks, the API routes only); the router itself listens on an internal loopback port. Its worker API
+(`/workers`: list, add, remove) is its control plane, and even there the fleet starts the router with an
+admin key (`SWA_RUNTIME_ADMIN_TOKEN` if set, else a random one) and only callers that present it
 (`Authorization: Bearer`) may use it; anyone else gets 401, so a client or a web page cannot take a replica
 out or add a worker of its own.
 
@@ -40,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
+import uvicorn
 
 log = structlog.get_logger("swa_runtime.fleet")
 
@@ -212,7 +216,8 @@ class Fleet:
         self.opts = opts
         self.stopping = False
         metrics_port = opts.router_metrics_port or free_port(opts.host)
-        self.router_url = f"http://{opts.host}:{opts.port}"
+        self.public_url = f"http://{opts.host}:{opts.port}"
+        self.router_url = f"http://127.0.0.1:{free_port()}"  # internal (loopback): the front and the fleet call it
         self.router_metrics = f"{opts.host}:{metrics_port}"
         self.admin_key = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.router = Child("router", self._router_argv(metrics_port), self._log("router"))
@@ -232,7 +237,8 @@ class Fleet:
 
     def _router_argv(self, metrics_port: int) -> list[str]:
         o = self.opts
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", o.host, "--port", str(o.port),
+        internal_port = self.router_url.rsplit(":", 1)[1]
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", internal_port,
                 "--policy", o.policy, "--prometheus-host", o.host, "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(o.health_check_interval_s), "--health-failure-threshold", "2",
                 "--health-success-threshold", "1", "--shutdown-grace-period-secs", str(int(o.shutdown_timeout_s)),
@@ -248,6 +254,7 @@ class Fleet:
             self.opts.log_dir.mkdir(parents=True, exist_ok=True)
         self._write_targets()
         self.router.start()
+        front = self._start_front()
         for r in self.replicas:
             self._start(r)
         status, ready, deadline = 0, False, time.monotonic() + self.opts.startup_timeout_s
@@ -263,14 +270,32 @@ class Fleet:
             if not ready and all(r.state == "serving" for r in self.replicas):
                 ready = True
                 print(f"swa-runtime fleet: {len(self.replicas)} replicas ({', '.join(r.url for r in self.replicas)}) "
-                      f"behind the router on {self.router_url} (router metrics: http://{self.router_metrics}"
+                      f"behind the router on {self.public_url} (router internally: {self.router_url}, metrics: "
+                      f"http://{self.router_metrics}"
                       "/metrics)", file=sys.stderr, flush=True)
             if not ready and time.monotonic() > deadline:
                 log.error("fleet_startup_timed_out", waited_s=self.opts.startup_timeout_s)
                 status, self.stopping = 1, True
             time.sleep(POLL_S)
         self._shutdown()
+        front.should_exit = True
         return status
+
+    def _start_front(self) -> uvicorn.Server:
+        """The public port, in a thread of this process (see the module docstring)."""
+        from runtime.fleet_front import create_front
+        from runtime.server.site_guard import SitePolicy
+
+        app = create_front(self.router_url, SitePolicy(self.opts.host))
+        server = uvicorn.Server(uvicorn.Config(app, host=self.opts.host, port=self.opts.port, log_level="warning",
+                                               lifespan="on", timeout_keep_alive=5))
+        thread = threading.Thread(target=server.run, name="fleet-front", daemon=True)
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the fleet's public port {self.opts.host}:{self.opts.port} could not be bound")
+            time.sleep(0.05)
+        return server
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
@@ -387,8 +412,9 @@ def add_fleet_args(p) -> None:
     g.add_argument("--replicas", type=int, default=2,
                    help="`serve` replicas on free loopback ports (default 2), each with OMP_NUM_THREADS = cores / "
                         "replicas unless it is set")
-    g.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address of the fleet's public port (default 127.0.0.1); the router itself stays on loopback")
+    g.add_argument("--port", type=int, default=30000, help="the fleet's public port (default 30000)")
     g.add_argument("--router-metrics-port", type=int, default=None, metavar="PORT",
                    help="the router's Prometheus port (default: a free one)")
     g.add_argument("--policy", choices=ROUTER_POLICIES, default="cache_aware", help="the router's policy")

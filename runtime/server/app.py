@@ -7,9 +7,9 @@ as `{"error": {"message", "type", "code"}}`:
 
 | status | when |
 |---|---|
-| 400 | malformed JSON (also too deep, huge integers, invalid Unicode), Content-Length with Transfer-Encoding, or a request the engine can never serve |
+| 400 | malformed JSON (too deep, huge integers, invalid Unicode), CL with TE, a request the engine can never serve |
 | 401 | a state-changing route without the right admin token (`admin.py`) |
-| 403 | a Host or Origin this server does not answer (`site_guard.py`); a state-changing route with no admin token configured |
+| 403 | a Host or Origin this server does not answer (`site_guard.py`); an admin route with no token configured |
 | 404 | an unknown model or route |
 | 408 | headers or body too slow (`connections.py`, `body.py`) |
 | 410 | the request was cancelled by an operator (`/abort_request`) |
@@ -18,7 +18,7 @@ as `{"error": {"message", "type", "code"}}`:
 | 422 | a body that breaks the schema (also an option the server does not support, named) |
 | 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
 | 500 | the engine failed the request (or its process died under it) |
-| 503 | draining (with Connection: close), the engine down or restarting, the request cut by shutdown, or too many connections |
+| 503 | draining (with Connection: close), the engine down or restarting, cut by shutdown, too many connections |
 | 504 | the request ran past `--request-timeout` |
 
 Checks run cheapest first, so that a hostile request costs little: site, content type and size before the

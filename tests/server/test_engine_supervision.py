@@ -1,8 +1,9 @@
 """Engine supervision for real: the engine process is killed (SIGKILL) and stopped (SIGSTOP) under a live
 server on loopback. /health says why within seconds, /metrics keeps answering with the front end's series,
 a dead engine is restarted (counted; its series back from 0; the requests it took counted `error`; a request
-arriving meanwhile held until it is back; greedy outputs token-identical), a hung one is reported, then killed and restarted, a request never outlives its
-deadline, and a spent restart budget makes `serve` exit with status 3."""
+arriving meanwhile held until it is back; greedy outputs token-identical), a hung one is reported, then killed
+and restarted, a request never outlives its deadline, and a spent restart budget makes `serve` exit with
+status 3."""
 
 from __future__ import annotations
 
