@@ -1,16 +1,25 @@
 """`swa-runtime fleet`: N `serve` replicas on loopback behind the SGLang router, on one machine.
 
-It only starts and supervises processes; the routing is the router's (`sglang-router`, cache-aware by
-default). The router comes up first with no workers; each replica is added through the router's worker API
-(`POST /workers`) once its `/health` answers 200.
+It starts and supervises processes and serves the public port; the routing is the router's (`sglang-router`,
+cache-aware by default). The router comes up first with no workers; each replica is added through the router's
+worker API (`POST /workers`) once its `/health` answers 200.
 
 Supervision: a replica that exits is taken out of the rotation at once (`DELETE /workers/{id}`), restarted on
 the same port, so it keeps its Prometheus `instance`, after a backoff (1 s doubling to 30 s, reset once it has
 served for a minute), and added back when healthy. Meanwhile the router retries a request that fails to
-reach it on another replica. A replica that hangs while holding its port is left to the router's own health
-checks (`/health` every `--health-check-interval` seconds). A replica that exits before it was ever healthy
-is a configuration error: the fleet stops. The router is restarted if it exits, and the serving replicas are
-added to the new one.
+reach it on another replica. Each replica supervises its own engine process (restarts it, and exits with
+status 3 when its restart budget is spent); a serving replica whose `/health` has failed for
+`UNHEALTHY_KILL_S` all the same (its engine down and not coming back) is killed and restarted like one that
+exited. A serving replica missing from the router's worker list (removed by someone else) is added again. A
+replica that exits before it was ever healthy is a configuration error: the fleet stops. The router is
+restarted if it exits, and the serving replicas are added to the new one.
+
+Clients reach the fleet through a small front on `--host:--port` (`fleet_front.py`: `serve`'s Host and Origin
+checks, the API routes only); the router itself listens on an internal loopback port. Its worker API
+(`/workers`: list, add, remove) is its control plane, and even there the fleet starts the router with an
+admin key (`SWA_RUNTIME_ADMIN_TOKEN` if set, else a random one) and only callers that present it
+(`Authorization: Bearer`) may use it; anyone else gets 401, so a client or a web page cannot take a replica
+out or add a worker of its own.
 
 Shutdown (SIGTERM or SIGINT to the fleet): SIGTERM to every replica, each draining like `serve` (no new
 requests, running ones finish for `--shutdown-timeout` seconds, the rest are aborted), then SIGTERM to the
@@ -27,11 +36,13 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -46,6 +57,11 @@ POLL_S = 0.2
 BACKOFF_S = (1.0, 30.0)  # first restart delay, cap (doubling in between)
 STABLE_S = 60.0  # serving this long resets a replica's backoff
 REGISTER_TIMEOUT_S = 30.0  # a replica the router has not shown healthy by then is added again
+CHECK_S = 1.0  # how often serving replicas' /health and the router's worker list are looked at
+# A serving replica whose /health fails this long is killed and restarted: longer than a replica takes to
+# kill a hung engine (--engine-hang-kill, 30 s) and restart it, so the replica gets to heal itself first.
+UNHEALTHY_KILL_S = 120.0
+ADMIN_TOKEN_ENV = "SWA_RUNTIME_ADMIN_TOKEN"
 ROUTER_POLICIES = ("cache_aware", "round_robin", "power_of_two", "random")
 ROUTER_JOB, REPLICA_JOB = "swa-router", "swa-runtime"  # the jobs in --prometheus-targets
 
@@ -152,6 +168,7 @@ class Replica:
     backoff_s: float = BACKOFF_S[0]
     serving_since: float | None = None
     ever_healthy: bool = False
+    unhealthy_since: float | None = None  # serving, but /health failing since
 
     @property
     def url(self) -> str:
@@ -159,15 +176,16 @@ class Replica:
 
 
 class RouterClient:
-    """The router's worker API: GET /workers, POST /workers {"url"}, DELETE /workers/{id}."""
+    """The router's worker API: GET /workers, POST /workers {"url"}, DELETE /workers/{id}, with the admin key."""
 
-    def __init__(self, url: str, timeout_s: float = 5.0):
+    def __init__(self, url: str, admin_key: str, timeout_s: float = 5.0):
         self.url, self.timeout_s = url, timeout_s
+        self._auth = {"Authorization": f"Bearer {admin_key}"}
 
     def _call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"} if data else {})
+        headers = {**self._auth, **({"Content-Type": "application/json"} if data else {})}
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=headers)
         with urllib.request.urlopen(req, timeout=self.timeout_s) as r:
             return json.loads(r.read() or b"{}")
 
@@ -197,10 +215,13 @@ class Fleet:
         self.opts = opts
         self.stopping = False
         metrics_port = opts.router_metrics_port or free_port(opts.host)
-        self.router_url = f"http://{opts.host}:{opts.port}"
+        self.public_url = f"http://{opts.host}:{opts.port}"
+        self.router_url = f"http://127.0.0.1:{free_port()}"  # internal (loopback): the front and the fleet call it
         self.router_metrics = f"{opts.host}:{metrics_port}"
+        self.admin_key = os.environ.get(ADMIN_TOKEN_ENV) or secrets.token_urlsafe(24)
         self.router = Child("router", self._router_argv(metrics_port), self._log("router"))
-        self.client = RouterClient(self.router_url)
+        self.client = RouterClient(self.router_url, self.admin_key)
+        self._checked_at = 0.0
         self.replicas = []
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // opts.replicas)))
@@ -215,10 +236,12 @@ class Fleet:
 
     def _router_argv(self, metrics_port: int) -> list[str]:
         o = self.opts
-        return [sys.executable, "-m", "sglang_router.launch_router", "--host", o.host, "--port", str(o.port),
+        internal_port = self.router_url.rsplit(":", 1)[1]
+        return [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", internal_port,
                 "--policy", o.policy, "--prometheus-host", o.host, "--prometheus-port", str(metrics_port),
                 "--health-check-interval-secs", str(o.health_check_interval_s), "--health-failure-threshold", "2",
                 "--health-success-threshold", "1", "--shutdown-grace-period-secs", str(int(o.shutdown_timeout_s)),
+                "--control-plane-api-keys", f"fleet:swa-runtime fleet:admin:{self.admin_key}",
                 "--log-level", "warn", *o.router_argv]
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -230,6 +253,7 @@ class Fleet:
             self.opts.log_dir.mkdir(parents=True, exist_ok=True)
         self._write_targets()
         self.router.start()
+        front = self._start_front()
         for r in self.replicas:
             self._start(r)
         status, ready, deadline = 0, False, time.monotonic() + self.opts.startup_timeout_s
@@ -239,17 +263,40 @@ class Fleet:
             for r in self.replicas:
                 if not self._supervise(r):
                     status, self.stopping = 1, True
+            if time.monotonic() - self._checked_at >= CHECK_S:
+                self._checked_at = time.monotonic()
+                self._check_serving()
             if not ready and all(r.state == "serving" for r in self.replicas):
                 ready = True
                 print(f"swa-runtime fleet: {len(self.replicas)} replicas ({', '.join(r.url for r in self.replicas)}) "
-                      f"behind the router on {self.router_url} (router metrics: http://{self.router_metrics}"
+                      f"behind the router on {self.public_url} (router internally: {self.router_url}, metrics: "
+                      f"http://{self.router_metrics}"
                       "/metrics)", file=sys.stderr, flush=True)
             if not ready and time.monotonic() > deadline:
                 log.error("fleet_startup_timed_out", waited_s=self.opts.startup_timeout_s)
                 status, self.stopping = 1, True
             time.sleep(POLL_S)
         self._shutdown()
+        front.should_exit = True
         return status
+
+    def _start_front(self):
+        """The public port, in a thread of this process (see the module docstring)."""
+        import uvicorn
+
+        from runtime.fleet_front import create_front
+        from runtime.server.site_guard import SitePolicy
+
+        app = create_front(self.router_url, SitePolicy(self.opts.host))
+        server = uvicorn.Server(uvicorn.Config(app, host=self.opts.host, port=self.opts.port, log_level="warning",
+                                               lifespan="on", timeout_keep_alive=5))
+        thread = threading.Thread(target=server.run, name="fleet-front", daemon=True)
+        thread.start()
+        while not server.started:
+            if not thread.is_alive():
+                raise RuntimeError(f"the fleet's public port {self.opts.host}:{self.opts.port} could not be bound")
+            time.sleep(0.05)
+        return server
 
     def _on_signal(self, signum, frame) -> None:
         self.stopping = True
@@ -306,6 +353,29 @@ class Fleet:
                 self._enter(r, "starting")
         return True
 
+    def _check_serving(self) -> None:
+        """Serving replicas: add back one the router lost; kill one whose /health has failed too long."""
+        serving = [r for r in self.replicas if r.state == "serving"]
+        if not serving:
+            return
+        registered = self._try(self.client.workers)
+        now = time.monotonic()
+        for r in serving:
+            if isinstance(registered, dict) and r.url not in registered:
+                log.warning("fleet_replica_missing_from_router", replica=r.number, url=r.url)
+                if self._try(self.client.add, r.url):
+                    self._enter(r, "registering")
+                continue
+            if _get_ok(r.url + "/health"):
+                r.unhealthy_since = None
+            elif r.unhealthy_since is None:
+                r.unhealthy_since = now
+            elif now - r.unhealthy_since >= UNHEALTHY_KILL_S:
+                log.error("fleet_replica_unhealthy_killed", replica=r.number, url=r.url,
+                          unhealthy_s=round(now - r.unhealthy_since))
+                r.unhealthy_since = None
+                r.child.proc.kill()  # the next look sees it exit and restarts it
+
     def _restart_router(self) -> None:
         log.warning("fleet_router_exited", exit_status=self.router.exited)
         self.router.start()
@@ -343,8 +413,9 @@ def add_fleet_args(p) -> None:
     g.add_argument("--replicas", type=int, default=2,
                    help="`serve` replicas on free loopback ports (default 2), each with OMP_NUM_THREADS = cores / "
                         "replicas unless it is set")
-    g.add_argument("--host", default="127.0.0.1", help="address the router binds (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=30000, help="the router's port (default 30000)")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address of the fleet's public port (default 127.0.0.1); the router itself stays on loopback")
+    g.add_argument("--port", type=int, default=30000, help="the fleet's public port (default 30000)")
     g.add_argument("--router-metrics-port", type=int, default=None, metavar="PORT",
                    help="the router's Prometheus port (default: a free one)")
     g.add_argument("--policy", choices=ROUTER_POLICIES, default="cache_aware", help="the router's policy")

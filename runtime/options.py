@@ -7,7 +7,6 @@ Its own module so that the command line (`runtime/cli.py`) and the server launch
 from __future__ import annotations
 
 import argparse
-import sys
 
 from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS, EngineConfig
 from runtime.faults import FAULTS

@@ -19,7 +19,7 @@ from prometheus_client.core import (
 from prometheus_client.utils import floatToGoString
 
 from telemetry import names
-from telemetry.stats import EngineStats, PlainHistogram, TranslationStats
+from telemetry.stats import EngineStats, FrontEndStats, PlainHistogram, TranslationStats
 
 
 class TelemetryCollector:
@@ -188,6 +188,26 @@ class TelemetryCollector:
         yield info
 
 
+class FrontEndCollector:
+    """The serving process's own series (engine up, engine restarts, HTTP answers by code), read from
+    `FrontEndStats` at scrape time: a scrape answers with these even while the engine process is down."""
+
+    def __init__(self, stats: FrontEndStats):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        yield GaugeMetricFamily(names.ENGINE_UP, "1 while the engine process is alive and answers its heartbeat.",
+                                value=1 if s.engine_up() else 0)
+        yield _counter(names.ENGINE_RESTARTS, "Engine processes restarted by the front end after one died or hung.",
+                       s.engine_restarts)
+        responses = CounterMetricFamily(names.HTTP_RESPONSES, "HTTP answers of the front end, by status code "
+                                        "(refusals before the engine included).", labels=["code"])
+        for code, n in s.http_responses.items():
+            responses.add_metric([code], n)
+        yield responses
+
+
 def _counter(name: str, doc: str, value: int) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
@@ -221,11 +241,14 @@ def make_registry(stats: EngineStats, *, process_collectors: bool = False) -> Co
     return registry
 
 
-def process_registry() -> CollectorRegistry:
-    """A fresh registry of this process's own collectors (CPU, memory, file descriptors, platform, GC)."""
+def process_registry(front_end: FrontEndStats | None = None) -> CollectorRegistry:
+    """A fresh registry of this process's own collectors (CPU, memory, file descriptors, platform, GC), and
+    the front end's series when `front_end` is given."""
     from prometheus_client import GCCollector, PlatformCollector, ProcessCollector
 
     registry = CollectorRegistry()
+    if front_end is not None:
+        registry.register(FrontEndCollector(front_end))
     ProcessCollector(registry=registry)
     PlatformCollector(registry=registry)
     GCCollector(registry=registry)

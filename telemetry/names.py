@@ -46,6 +46,12 @@ SPEC_DRAFT_TOKENS = PREFIX + "spec_draft_tokens_total"
 SPEC_ACCEPTED_TOKENS = PREFIX + "spec_accepted_tokens_total"
 SPEC_ACCEPTANCE_LENGTH = PREFIX + "spec_acceptance_length"
 
+# The front end (the serving process): the engine process's state and every HTTP answer. Kept in the front
+# end, so these exist while the engine is down or restarting.
+ENGINE_UP = PREFIX + "engine_up"
+ENGINE_RESTARTS = PREFIX + "engine_restarts_total"
+HTTP_RESPONSES = PREFIX + "http_responses_total"
+
 # Logging and build
 LOG_EVENTS_SUPPRESSED = PREFIX + "log_events_suppressed_total"
 BUILD_INFO = PREFIX + "build_info"
@@ -98,6 +104,9 @@ HICACHE_DIRECTIONS = ("offload", "loadback")
 # Prefix-cache nodes: full and SWA KV on the device (`device`), full KV only (`tombstoned`: the SWA side was
 # freed), or copied to the host tier (`host`). A gauge read from the tree: no `other`.
 PREFIX_NODE_STATES = ("device", "tombstoned", "host")
+# HTTP status codes the front end answers (`code` of HTTP_RESPONSES); others fold into `other`.
+HTTP_CODES = ("200", "400", "401", "403", "404", "405", "408", "410", "413", "415", "422", "429", "500", "503",
+              "504")
 LOG_EVENT_NAMES = ("loc_key_change", "engine_step_failed", OTHER)
 # How drafts are proposed (`--speculative-algorithm`, `none` exports nothing but the zero series).
 SPEC_ALGORITHMS = ("ngram", "suffix")
@@ -128,6 +137,7 @@ REQUEST_STATUS_LABELS = with_other(REQUEST_STATUSES)
 RETRACTION_KIND_LABELS = with_other(RETRACTION_KINDS)
 HICACHE_DIRECTION_LABELS = with_other(HICACHE_DIRECTIONS)
 LOG_EVENT_LABELS = with_other(LOG_EVENT_NAMES)
+HTTP_CODE_LABELS = with_other(HTTP_CODES)
 # kv_tokens is a gauge read from the pools at scrape time: exactly KV_POOLS x KV_STATES, no `other`; so are
 # the prefix cache's per-pool series (tokens held, tokens evicted: only the cache itself writes them) and its
 # node states.

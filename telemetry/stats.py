@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from itertools import product
@@ -290,6 +290,25 @@ class EngineStats:
             self.suppressed_counts[event] += 1
         except KeyError:
             self.suppressed_counts[fold(event, names.LOG_EVENT_LABELS)] += 1
+
+
+class FrontEndStats:
+    """What the serving process counts itself, so that it exists while the engine process is down: whether
+    the engine answers (`engine_up`, a callable read at scrape time), how often it was restarted, and every
+    HTTP answer by status code (refusals the engine never sees included). Counted on the event loop and
+    the supervisor thread only, each its own field."""
+
+    def __init__(self, engine_up: Callable[[], bool] = lambda: True):
+        self.engine_up = engine_up
+        self.engine_restarts = 0
+        self.http_responses: dict[str, int] = dict.fromkeys(names.HTTP_CODE_LABELS, 0)
+
+    def record_response(self, code: int) -> None:
+        key = str(code)
+        try:
+            self.http_responses[key] += 1
+        except KeyError:
+            self.http_responses[fold(key, names.HTTP_CODE_LABELS)] += 1
 
 
 class NullTranslationStats(TranslationStats):

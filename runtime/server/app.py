@@ -7,17 +7,19 @@ as `{"error": {"message", "type", "code"}}`:
 
 | status | when |
 |---|---|
-| 400 | malformed JSON (also too deep, huge integers, invalid Unicode) or a request the engine can never serve |
+| 400 | malformed JSON (too deep, huge integers, invalid Unicode), CL with TE, a request the engine can never serve |
 | 400 | a body that breaks the schema, or an option the server does not support (named), as OpenAI answers |
-| 401 | a missing or wrong API key on /v1/* or /generate (`--api-key`, `api_key.py`) |
-| 403 | a Host or Origin this server does not answer (`site_guard.py`) |
+| 401 | a missing or wrong API key on /v1/* or /generate (`--api-key`, `api_key.py`); a state-changing route without the right admin token (`admin.py`) |
+| 403 | a Host or Origin this server does not answer (`site_guard.py`); an admin route with no token configured |
 | 404 | an unknown model or route |
 | 408 | headers or body too slow (`connections.py`, `body.py`) |
+| 410 | the request was cancelled by an operator (`/abort_request`) |
 | 413 | a body over `--max-request-bytes` |
 | 415 | a POST without `Content-Type: application/json` |
 | 429 | the waiting queue is full (`--max-queued-requests`); with Retry-After |
-| 500 | the engine failed the request |
-| 503 | draining, the engine thread stopped, the request was cut by shutdown, or too many connections |
+| 500 | the engine failed the request (or its process died under it) |
+| 503 | draining (with Connection: close), the engine down or restarting, cut by shutdown, too many connections |
+| 504 | the request ran past `--request-timeout` |
 
 Checks run cheapest first, so that a hostile request costs little: site, content type and size before the
 body is read, the queue before tokenizing, the prompt's length before the engine sees it.
@@ -42,17 +44,20 @@ from starlette.middleware.cors import CORSMiddleware
 
 from runtime.core import RequestError
 from runtime.server import chat, choices, openai_stream, protocol, router_compat
+from runtime.server.admin import AdminToken
 from runtime.server.api_key import APIKeyGuard
 from runtime.server.body import read_body, require_json
 from runtime.server.chat_template import ChatPrompt
-from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream
+from runtime.server.engine_loop import EngineLoop, EngineUnavailable, Overloaded, RequestStream, RequestTimedOut
 from runtime.server.openai_options import OpenAIOptions
 from runtime.server.openai_request import CompletionRequest
 from runtime.server.options import ServerOptions
+from runtime.server.prompt_bounds import encode_within
 from runtime.server.protocol import APIError
 from runtime.server.site_guard import SiteGuard, SitePolicy
 from runtime.server.stops import TextDeltas
 from telemetry.collector import process_registry
+from telemetry.stats import FrontEndStats
 
 # No token of the tokenizers served here is longer than this many characters (Gemma 3's longest vocabulary
 # pieces are 31: runs of newlines, spaces or tabs; the byte tokenizer's is 1), so a text longer than this
@@ -60,25 +65,31 @@ from telemetry.collector import process_registry
 MAX_CHARS_PER_TOKEN = 64
 OFF_LOOP_BYTES = 64 * 1024  # parse larger bodies and tokenize longer texts off the event loop
 RETRY_AFTER_S = "1"
-MAX_MODEL_NAME_SHOWN = 64  # an unknown `model` is quoted back cut to this many characters
-
-
+ENGINE_RETURN_WAIT_S = 30.0  # a new request waits this long for a restarting engine before its 503
+MAX_ECHOED_CHARS = 64  # a client's value quoted back in an error is cut here (a 3 MB model name is not echoed)
 TRACEPARENT_MAX_LEN = 55  # version-traceid-parentid-flags: 2 + 1 + 32 + 1 + 16 + 1 + 2
 
 
 def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptions | None = None,
-               openai: OpenAIOptions | None = None, chat_prompt: ChatPrompt | None = None) -> FastAPI:
+               openai: OpenAIOptions | None = None, chat_prompt: ChatPrompt | None = None,
+               front_end_stats: FrontEndStats | None = None) -> FastAPI:
     """The app serving the engine behind `engine_loop` (a thread beside the event loop, or its own process)
     as `model_name` (or the first of `openai.served_model_names`). Its lifespan starts the engine (unless
     already started) and drains it on shutdown. `chat_prompt`: how chats become prompts (default: Gemma's
-    turns)."""
+    turns). `front_end_stats`: the serving process's own counters (made here if not given; `app.state`
+    keeps it)."""
     opts = options if options is not None else ServerOptions()
     api = openai if openai is not None else OpenAIOptions()
     model_names = api.served_model_names or (model_name,)
     model_name = model_names[0]
     tokenizer = engine_loop.tokenizer
     context_length = engine_loop.context_length
-    front_end = process_registry()  # this process's CPU, memory, GC; the engine's counters come from the loop
+    stats = front_end_stats if front_end_stats is not None else FrontEndStats()
+    stats.engine_up = lambda: engine_loop.alive
+    # this process's CPU, memory, GC and its own series (engine up, restarts, HTTP answers); the engine's
+    # counters come from the loop
+    front_end = process_registry(stats)
+    admin = AdminToken(opts.admin_token)
     created = int(time.time())
     if chat_prompt is None:
         chat_prompt = ChatPrompt.gemma(tokenizer)
@@ -95,6 +106,7 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
                   redoc_url="/redoc" if docs else None, openapi_url="/openapi.json" if docs else None)
     app.state.engine_loop = engine_loop
     app.state.model_name = model_name
+    app.state.front_end_stats = stats
     if opts.allowed_origins:  # answer the CORS preflights of the origins allowed (the guard refuses others)
         app.add_middleware(CORSMiddleware, allow_origins=list(opts.allowed_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Content-Type", "Authorization"])
@@ -120,7 +132,16 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
 
     @app.exception_handler(EngineUnavailable)
     async def _unavailable(request: Request, exc: EngineUnavailable) -> JSONResponse:
-        return error(503, str(exc), "service_unavailable", headers={"Retry-After": "5"})
+        return error(503, str(exc), "service_unavailable", headers=unavailable_headers())
+
+    @app.exception_handler(RequestTimedOut)
+    async def _timed_out(request: Request, exc: RequestTimedOut) -> JSONResponse:
+        return error(504, str(exc), "timeout_error")
+
+    def unavailable_headers() -> dict[str, str]:
+        """Retry-After; while draining also Connection: close, so kept-alive clients move to another replica."""
+        draining = engine_loop.alive and not engine_loop.accepting
+        return {"Retry-After": "5", **({"Connection": "close"} if draining else {})}
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -148,7 +169,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         return _parse_validate(model, raw)
 
     async def prompt_of(prompt: str | list[int], max_new_tokens: int) -> list[int]:
-        """Token ids of a text or id-list prompt, refused early (counted `rejected`) when it cannot fit."""
+        """Token ids of a text or id-list prompt, refused early (counted `rejected`) when it cannot fit: a text
+        longer than any tokenization could fit at once, a long one after bounded work (`prompt_bounds.py`)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("empty prompt: give a non-empty `text` (or `input_ids`)")
@@ -156,8 +178,13 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
                 raise engine_loop.reject(
                     f"prompt text of {len(prompt)} characters cannot fit the context length of {context_length} "
                     f"tokens (at most {MAX_CHARS_PER_TOKEN * context_length} characters)")
-            ids = (await anyio.to_thread.run_sync(tokenizer.encode, prompt) if len(prompt) > OFF_LOOP_BYTES
-                   else tokenizer.encode(prompt))
+            budget = context_length - max_new_tokens
+            ids = (await anyio.to_thread.run_sync(encode_within, tokenizer, prompt, budget)
+                   if len(prompt) > OFF_LOOP_BYTES else encode_within(tokenizer, prompt, budget))
+            if ids is None:
+                raise engine_loop.reject(f"prompt text of {len(prompt)} characters is longer than the "
+                                         f"{budget} tokens that the context length of {context_length} leaves "
+                                         f"beside max_new_tokens ({max_new_tokens})")
         else:
             ids = prompt
         if len(ids) + max_new_tokens > context_length:
@@ -186,15 +213,22 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
             choices.abort_all(streams)  # a no-op for those that finished
         return result if result is not None else [choices.ChoiceResult(finish_reason="abort") for _ in streams]
 
+    async def admit() -> None:
+        """Refuse now what `submit` would refuse, cheaply; but hold a request while a dead engine process is
+        being replaced (up to `ENGINE_RETURN_WAIT_S`), so a restart costs clients a wait, not a 503."""
+        await engine_loop.wait_until_restarted(ENGINE_RETURN_WAIT_S)
+        engine_loop.check_admission()
+
     def check_model(model: str | None) -> None:
         if model is not None and model not in model_names:
-            shown = model if len(model) <= MAX_MODEL_NAME_SHOWN else model[:MAX_MODEL_NAME_SHOWN] + "..."
-            raise APIError(404, f"model {shown!r} not found; this server serves {model_name!r}", "not_found_error")
+            named = (repr(model) if len(model) <= MAX_ECHOED_CHARS
+                     else f"{model[:MAX_ECHOED_CHARS]!r}... ({len(model)} characters)")
+            raise APIError(404, f"model {named} not found; this server serves {model_name!r}", "not_found_error")
 
     # ---- routes ------------------------------------------------------------------------------------------
     live = router_compat.LiveRequests()  # by the ids clients gave, for /abort_request
     router_compat.add_routes(app, engine_loop=engine_loop, model_name=model_name, live=live,
-                             body_timeout_s=opts.body_timeout_s)
+                             body_timeout_s=opts.body_timeout_s, admin=admin)
 
     @app.post("/generate")
     async def generate(request: Request) -> Response:
@@ -202,10 +236,11 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, body.rid)
         params = body.sampling_params.to_params()
-        engine_loop.check_admission()
+        await admit()
         prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
                                      params.max_new_tokens)
-        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request))
+        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request),
+                                          timeout_s=opts.request_timeout_s)
         rid = live.add(stream, client_rid)
         if body.stream:
             return SSEResponse(_generate_events(stream, tokenizer, rid), on_close=stream.abort)
@@ -218,12 +253,12 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         body = await parse(request, CompletionRequest)
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, None)
-        engine_loop.check_admission()
+        await admit()
         max_new, n = body.max_new_tokens(), body.choices_per_prompt
         prompts = [await prompt_of(p, max_new) for p in body.prompts()]
         streams = await choices.submit_all(engine_loop, [(ids, body.to_params(max_new, j))
                                                          for ids in prompts for j in range(n)],
-                                            traceparent=traceparent_of(request))
+                                            traceparent=traceparent_of(request), timeout_s=opts.request_timeout_s)
         rid = live.add(streams[0], client_rid)
         for s in streams[1:]:
             live.add(s, client_rid or rid)
@@ -244,14 +279,14 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, chat.ChatCompletionRequest)
         check_model(body.model)
-        engine_loop.check_admission()
+        await admit()
         asked = body.max_new_tokens()
         prompt_ids = await prompt_of(chat_prompt.render(body.messages), asked or 1)
         # without a limit: the server's default, never more than the context leaves
         max_new = asked or min(api.max_new_tokens_default, context_length - len(prompt_ids))
         n = body.choices_per_prompt
         streams = await choices.submit_all(engine_loop, [(prompt_ids, body.to_params(max_new, j)) for j in range(n)],
-                                            traceparent=traceparent_of(request))
+                                            traceparent=traceparent_of(request), timeout_s=opts.request_timeout_s)
         now, stops, logprobs = int(time.time()), body.stop_strings(), body.logprobs is True
         rid = streams[0].rid
         if body.streaming:
@@ -280,8 +315,8 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         if engine_loop.accepting:
             running, waiting = engine_loop.queue_sizes()
             return JSONResponse({"status": "ok", "running": running, "waiting": waiting})
-        why = "the server is shutting down" if engine_loop.alive else engine_loop.DOWN_MESSAGE
-        return error(503, why, "service_unavailable")
+        why = "the server is shutting down" if engine_loop.alive else engine_loop.down_reason
+        return error(503, why or engine_loop.DOWN_MESSAGE, "service_unavailable", headers=unavailable_headers())
 
     return app
 

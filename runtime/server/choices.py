@@ -18,13 +18,14 @@ from runtime.server.stops import TextPiece, text_pieces
 
 
 async def submit_all(engine_loop, jobs: Sequence[tuple[list[int], SamplingParams]],
-                     traceparent: str | None = None) -> list:
+                     traceparent: str | None = None, timeout_s: float | None = None) -> list:
     """The streams of every (prompt ids, params) job, or none: a failure aborts those already admitted.
-    `traceparent`: the client's trace context, continued by each job's request span."""
+    `traceparent`: the client's trace context, continued by each job's request span; `timeout_s` bounds each
+    job (the server's request deadline)."""
     streams = []
     try:
         for ids, params in jobs:
-            streams.append(await engine_loop.submit(ids, params, traceparent=traceparent))
+            streams.append(await engine_loop.submit(ids, params, traceparent=traceparent, timeout_s=timeout_s))
     except BaseException:
         for s in streams:
             s.abort()

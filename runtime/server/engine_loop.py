@@ -55,12 +55,20 @@ class Overloaded(RuntimeError):
     """Too many requests wait for a place in the running batch: answer 429 and ask to retry later."""
 
 
+class RequestTimedOut(RuntimeError):
+    """The request was not accepted within its deadline (`--request-timeout`): answer 504."""
+
+
+def timeout_message(timeout_s: float) -> str:
+    return f"the request did not finish within {timeout_s:g} s (--request-timeout); it was aborted"
+
+
 @dataclass(frozen=True)
 class StreamEvent:
     """New tokens since the previous event; the last event of a request carries its finish reason."""
 
     token_ids: tuple[int, ...]
-    finish_reason: str | None = None  # length | stop | abort | error
+    finish_reason: str | None = None  # length | stop | abort | cancelled | timeout | error
     message: str | None = None  # why, for abort (shutdown) and error
     logprobs: tuple[TokenLogprob, ...] = ()  # one per token, when the request asked for them
 
@@ -73,12 +81,16 @@ class _Final:
 
 class RequestStream:
     """The tokens of one admitted request. Iterate once; `abort()` (or leaving the `async with` block
-    before the end) frees the request's slots on the engine thread."""
+    before the end) frees the request's slots on the engine thread. With `timeout_s`, a request still
+    running that long after it was accepted is aborted and ends with finish reason `timeout` (even if the
+    engine never answers again)."""
 
-    def __init__(self, engine_loop: "EngineLoop", req: Req, queue: asyncio.Queue):
+    def __init__(self, engine_loop: "EngineLoop", req: Req, queue: asyncio.Queue, timeout_s: float | None = None):
         self._engine_loop = engine_loop
         self._req = req
         self._queue = queue
+        self._timeout_s = timeout_s
+        self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -99,7 +111,7 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[StreamEvent]:
         """Yields as soon as tokens arrive, coalescing whatever queued up while the consumer was busy."""
         while not self.finished:
-            items = [await self._queue.get()]
+            items = [await self._next()]
             while not self._queue.empty():
                 items.append(self._queue.get_nowait())
             tokens = tuple(t for t in items if isinstance(t, int))
@@ -111,14 +123,23 @@ class RequestStream:
                 self.finish_reason, self.message = final.reason, final.message
             yield StreamEvent(tokens, self.finish_reason, self.message, logprobs)
 
+    async def _next(self) -> int | _Final:
+        if self._deadline is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            self._engine_loop.abort(self.rid)
+            return _Final("timeout", timeout_message(self._timeout_s))
+
     async def collect(self) -> "RequestStream":
         async for _ in self:
             pass
         return self
 
-    def abort(self) -> None:
+    def abort(self, reason: str = "abort") -> None:
         if not self.finished:
-            self._engine_loop.abort(self.rid)
+            self._engine_loop.abort(self.rid, reason)
 
     def finish(self, reason: str = "stop") -> None:
         """End the request now as finished (e.g. the front end saw a stop string): counted `finished`,
@@ -161,6 +182,7 @@ class EngineLoop:
         self._failure_limiter = RateLimiter(interval_s=failure_log_interval_s)
         self._failures_suppressed = 0
         self._registry = None  # built on the first scrape
+        self._step_started: float | None = None
 
     # ---- what the front end reads ------------------------------------------------------------------------
     @property
@@ -209,6 +231,20 @@ class EngineLoop:
     def accepting(self) -> bool:
         return self._accepting and self.alive
 
+    @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot serve (None while it can)."""
+        return None if self.alive else self.DOWN_MESSAGE
+
+    async def wait_until_restarted(self, timeout_s: float) -> None:
+        """Nothing restarts an engine thread: returns at once (see `EngineProcess`)."""
+
+    def busy_s(self) -> float:
+        """How long the step now running has run (0 between steps): a heartbeat reports it, so a step that
+        never returns reads as a hung engine."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
     def begin_shutdown(self, timeout_s: float) -> None:
         """Stop admitting now; requests still running after `timeout_s` are aborted. Returns at once."""
         with self._lock:
@@ -245,11 +281,16 @@ class EngineLoop:
         running, waiting = self.scheduler.num_running(), self.scheduler.num_waiting()
         return max(0, self._pending_adds + waiting + running - self._max_running)
 
-    def count(self, status: str) -> None:
-        """Count a request that ended before reaching the scheduler (on the engine thread, see above)."""
+    def count(self, status: str, n: int = 1) -> None:
+        """Count `n` requests that ended before reaching the scheduler (on the engine thread, see above)."""
         stats = self.engine.stats
+
+        def record() -> None:
+            for _ in range(n):
+                stats.record_request(status)
+
         try:
-            self._post(("call", lambda: stats.record_request(status), concurrent.futures.Future()))
+            self._post(("call", record, concurrent.futures.Future()))
         except EngineUnavailable:
             pass  # the thread has ended; so has counting
 
@@ -259,9 +300,10 @@ class EngineLoop:
         return RequestError(message)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     traceparent: str | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not).
-        `traceparent`: the client's W3C trace context, continued by the request's span when tracing is on."""
+                     traceparent: str | None = None, timeout_s: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not;
+        RequestTimedOut if that takes longer than `timeout_s`, which also bounds the stream). `traceparent`:
+        the client's W3C trace context, continued by the request's span when tracing is on."""
         self.check_admission()
         aloop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -280,12 +322,8 @@ class EngineLoop:
         req = Req(list(prompt_ids), params, on_token=on_token,
                   on_finish=lambda r: push(self.final_of(r)), traceparent=traceparent)
         admitted = self.post_add(req)
-        try:
-            await asyncio.wrap_future(admitted)
-        except asyncio.CancelledError:
-            self.abort(req.rid)  # the client left while we waited; the add may still land
-            raise
-        return RequestStream(self, req, queue)
+        await wait_admitted(admitted, timeout_s, lambda: self.abort(req.rid))
+        return RequestStream(self, req, queue, timeout_s)
 
     def post_add(self, req: Req) -> concurrent.futures.Future:
         """Hand `req` to the engine thread; the future resolves when the scheduler accepted it (or raises
@@ -294,9 +332,11 @@ class EngineLoop:
         self._post(("add", req, admitted), adding=True)
         return admitted
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        """End `rid` now (counted `aborted`); its client sees `reason` (`abort`: it left; `cancelled`: an
+        operator's /abort_request)."""
         try:
-            self._post(("abort", rid))
+            self._post(("abort", rid, reason))
         except EngineUnavailable:
             pass  # the thread has ended, and it aborted everything on its way out
 
@@ -354,7 +394,7 @@ class EngineLoop:
                 with self._lock:
                     self._pending_adds -= 1
             elif kind == "abort":
-                self._abort(item[1])
+                self._abort(item[1], reason=item[2])
             elif kind == "finish":
                 self._abort(item[1], status="finished", reason=item[2])
             else:
@@ -386,6 +426,7 @@ class EngineLoop:
             self._log.error("engine_abort_failed", rid=rid, error=_describe(exc), where=_where(exc))
 
     def _step(self) -> bool:
+        self._step_started = time.monotonic()
         try:
             progressed = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - log, fail what it touched, keep serving
@@ -399,6 +440,8 @@ class EngineLoop:
             else:
                 self._end_all(final, "error")
             return True
+        finally:
+            self._step_started = None
         self._step_failures = 0
         return progressed
 
@@ -459,6 +502,20 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001
                 self._log.error("engine_close_failed", error=_describe(exc), where=_where(exc))
         self.engine.close()
+
+
+async def wait_admitted(admitted: concurrent.futures.Future, timeout_s: float | None,
+                        abort: Callable[[], None]) -> None:
+    """Wait until the scheduler accepted a request; `abort()` it if the client leaves or `timeout_s` passes
+    first (the add may still land: the abort follows it), raising CancelledError or RequestTimedOut."""
+    try:
+        await asyncio.wait_for(asyncio.wrap_future(admitted), timeout_s)
+    except asyncio.CancelledError:
+        abort()
+        raise
+    except asyncio.TimeoutError:
+        abort()
+        raise RequestTimedOut(timeout_message(timeout_s)) from None
 
 
 def _describe(exc: BaseException, limit: int = 200) -> str:

@@ -5,8 +5,9 @@ admission checks, shutdown, queue sizes, the metrics exposition). It spawns a ch
 its main thread and runs the `EngineLoop` there, so every torch operation runs on the one thread that built
 the engine (one OpenMP team). The two talk over a pipe:
 
-    front end -> engine: ("add", rid, prompt_ids, params, traceparent) | ("abort", rid) | ("finish", rid, reason)
-                         | ("count", status) | ("call", token, what) | ("metrics", token) | ("shutdown", timeout_s)
+    front end -> engine: ("add", rid, prompt_ids, params, traceparent) | ("abort", rid, reason) | ("finish", rid, reason)
+                         | ("count", status, n) | ("call", token, what) | ("metrics", token) | ("ping", token)
+                         | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
                          | ("token", rid, id, logprob or None) | ("final", rid, reason, message)
                          | ("queue", running, waiting)
@@ -14,7 +15,9 @@ the engine (one OpenMP team). The two talk over a pipe:
 
 Metrics are counted in the engine process and rendered there at scrape time, by its pipe reader (the engine
 thread is never waited on). If the engine process dies, every live request ends with an error, `/health`
-answers 503, and new requests are refused; nothing waits on it.
+answers 503, and new requests are refused; nothing waits on it. The requests it took with it are counted
+`error` by the next engine process (`restart()`), whose counters start from 0 like every series of a
+restarted process. Watching the heartbeat (`ping`) and deciding when to restart is `supervisor.py`'s job.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ import structlog
 
 from runtime.config import EngineConfig
 from runtime.core import Req, RequestError, SamplingParams
-from runtime.server.engine_loop import EngineUnavailable, Overloaded, RequestStream, _Final
+from runtime.server.engine_loop import EngineUnavailable, Overloaded, RequestStream, _Final, wait_admitted
 
 log = structlog.get_logger("swa_runtime.server")
 
 READY_TIMEOUT_S = 900.0  # assembling and loading the default model on a slow machine
+METRICS_WAIT_S = 2.0
 CALLS = ("has_work", "assert_idle_clean")  # what the front end may ask the scheduler (tests, diagnostics)
 
 
@@ -65,6 +69,9 @@ class EngineProcess:
         self._running = self._waiting = 0
         self._accepting = True
         self._dead: str | None = None  # why the engine process is gone
+        self._unresponsive: str | None = None  # why the supervisor thinks a live process cannot serve
+        self._lost = 0  # requests a dead engine process took with it, to count on the next one
+        self.restartable = False  # a supervisor will replace a dead process (it sets this; False once it gives up)
         self._reader: threading.Thread | None = None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
@@ -72,20 +79,72 @@ class EngineProcess:
         """Spawn the engine process and wait until its engine is built (raises if it fails to start)."""
         if self._process is not None:
             raise RuntimeError("EngineProcess.start() called twice")
+        self._spawn()
+        self._wait_ready(timeout_s)
+
+    def restart(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Replace the engine process by a fresh one (killing it first if it still runs) and wait until it is
+        ready; the requests the old one took with it are counted `error` there. Raises if it fails to start."""
+        if not self._accepting:
+            raise RuntimeError("the server is shutting down: no restart")
+        self.kill()
+        if self._reader is not None:
+            self._reader.join(10.0)  # it has ended every live request and counted them lost
+        lost, self._lost = self._lost, 0
+        self._spawn()
+        try:
+            self._wait_ready(timeout_s)
+        except RuntimeError:
+            self._lost += lost
+            raise
+        if lost:
+            self._send(("count", "error", lost))
+
+    def kill(self) -> None:
+        """SIGKILL the engine process (hung or not) and wait for it; its pipe reader then ends its requests."""
+        if self._process is not None and self._process.is_alive():
+            self._process.kill()
+            self._process.join(5.0)
+
+    def _spawn(self) -> None:
         parent, child = self._ctx.Pipe()
-        self._process = self._ctx.Process(target=_engine_main, args=(child, self.cfg, self._child_options),
-                                          name="swa-runtime-engine", daemon=True)
+        process = self._ctx.Process(target=_engine_main, args=(child, self.cfg, self._child_options),
+                                    name="swa-runtime-engine", daemon=True)
         with _sigint_ignored_by_children():
-            self._process.start()
+            process.start()
         child.close()
-        self._conn = parent
-        self._reader = threading.Thread(target=self._read, name="swa-runtime-engine-pipe", daemon=True)
+        self._ready.clear()
+        self._process, self._conn = process, parent
+        self._dead = self._unresponsive = None
+        self._running = self._waiting = 0
+        self._reader = threading.Thread(target=self._read, args=(parent, process), name="swa-runtime-engine-pipe",
+                                        daemon=True)
         self._reader.start()
+
+    def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._ready.wait(0.2):
             if self._dead is not None or time.monotonic() > deadline:
-                self.stop(0)
-                raise RuntimeError(f"the engine process failed to start: {self._dead or 'timed out'}")
+                why = self._dead or "timed out"
+                self.kill()
+                raise RuntimeError(f"the engine process failed to start: {why}")
+
+    async def wait_until_restarted(self, timeout_s: float) -> None:
+        """While a dead engine process is being replaced, wait (up to `timeout_s`) until the new one is ready;
+        returns at once otherwise (alive, hung, shutting down, or nobody restarts it)."""
+        deadline = time.monotonic() + timeout_s
+        while (self._dead is not None or not self._ready.is_set()) and self.restartable and self._accepting \
+                and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+    def ping(self) -> concurrent.futures.Future:
+        """A heartbeat: answered by the engine process's pipe reader with `{"busy_s": s}`, how long the
+        engine step now running has run. No answer means the process is stopped or wedged."""
+        return self._request(("ping", None))
+
+    def mark_unresponsive(self, reason: str | None) -> None:
+        """The supervisor's verdict on a live process: while `reason` is set it counts as down."""
+        self._unresponsive = reason
 
     @property
     def started(self) -> bool:
@@ -93,11 +152,31 @@ class EngineProcess:
 
     @property
     def alive(self) -> bool:
-        return self._ready.is_set() and self._dead is None
+        """Built, running and answering its heartbeat."""
+        return self._ready.is_set() and self._dead is None and self._unresponsive is None
+
+    @property
+    def exited(self) -> bool:
+        """The process has gone (died, was killed, or stopped at shutdown)."""
+        return self._dead is not None
 
     @property
     def accepting(self) -> bool:
         return self._accepting and self.alive
+
+    @property
+    def stopping(self) -> bool:
+        """A shutdown was asked for: an exit is expected and nothing restarts it."""
+        return not self._accepting
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the engine cannot serve, for /health (None while it can)."""
+        if self._dead is not None:
+            return f"{self.DOWN_MESSAGE}: {self._dead}"
+        if self._unresponsive is not None:
+            return self._unresponsive
+        return None if self._ready.is_set() else "the engine process is starting"
 
     @property
     def context_length(self) -> int:
@@ -142,18 +221,19 @@ class EngineProcess:
             raise Overloaded(f"the server is busy: {self.max_queued_requests} requests are already waiting "
                              "(--max-queued-requests); retry later")
 
-    def count(self, status: str) -> None:
-        """Count a request that ended before reaching the scheduler (the engine process keeps every count)."""
-        self._send(("count", status))
+    def count(self, status: str, n: int = 1) -> None:
+        """Count requests that ended before reaching the scheduler (the engine process keeps every count)."""
+        self._send(("count", status, n))
 
     def reject(self, message: str) -> RequestError:
         self.count("rejected")
         return RequestError(message)
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams,
-                     traceparent: str | None = None) -> RequestStream:
-        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not).
-        `traceparent` travels to the engine process, where the spans are made."""
+                     traceparent: str | None = None, timeout_s: float | None = None) -> RequestStream:
+        """Queue a request; returns its stream once the scheduler accepted it (raises RequestError if not;
+        RequestTimedOut if that takes longer than `timeout_s`, which also bounds the stream). `traceparent`
+        travels to the engine process, where the spans are made."""
         self.check_admission()
         req = Req(list(prompt_ids), params)
         queue: asyncio.Queue = asyncio.Queue()
@@ -165,17 +245,15 @@ class EngineProcess:
             self._forget(req.rid)
             raise EngineUnavailable(self.DOWN_MESSAGE)
         try:
-            await asyncio.wrap_future(admitted)
-        except asyncio.CancelledError:
-            self.abort(req.rid)  # the client left while we waited; the add may still land
+            await wait_admitted(admitted, timeout_s, lambda: self.abort(req.rid))
+        except BaseException as exc:
+            if not isinstance(exc, asyncio.CancelledError):
+                self._forget(req.rid)
             raise
-        except BaseException:
-            self._forget(req.rid)
-            raise
-        return RequestStream(self, req, queue)
+        return RequestStream(self, req, queue, timeout_s)
 
-    def abort(self, rid: str) -> None:
-        self._send(("abort", rid))
+    def abort(self, rid: str, reason: str = "abort") -> None:
+        self._send(("abort", rid, reason))
 
     def finish(self, rid: str, reason: str = "stop") -> None:
         self._send(("finish", rid, reason))
@@ -187,11 +265,12 @@ class EngineProcess:
         return self._request(("call", None, what))
 
     async def exposition(self) -> bytes:
-        """The engine's metrics, rendered in the engine process at scrape time."""
+        """The engine's metrics, rendered in the engine process at scrape time; nothing (at once) while the
+        engine is down, and nothing after `METRICS_WAIT_S` (a scrape never waits on a wedged engine)."""
         if not self.alive:
             return b""
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(self._request(("metrics", None))), 5.0)
+            return await asyncio.wait_for(asyncio.wrap_future(self._request(("metrics", None))), METRICS_WAIT_S)
         except (asyncio.TimeoutError, EngineUnavailable):
             return b""
 
@@ -217,23 +296,24 @@ class EngineProcess:
         except (OSError, EOFError, ValueError):
             return False
 
-    def _read(self) -> None:
-        """The reader thread: dispatch every message from the engine process until the pipe closes."""
+    def _read(self, conn, process) -> None:
+        """The reader thread of one engine process: dispatch its messages until the pipe closes."""
         try:
             while True:
-                self._dispatch(self._conn.recv())
+                self._dispatch(conn.recv())
         except (EOFError, OSError, ValueError):
             pass
         stopping = not self._accepting  # a shutdown was asked for: the pipe closes as the process exits
-        deadline = time.monotonic() + 5.0
-        while self._process is not None and self._process.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        code = self.exitcode
+        process.join(5.0)
+        code = process.exitcode
         expected = stopping and code in (0, None)
+        self._running = self._waiting = 0
         self._dead = "it exited" if expected else f"it exited unexpectedly (exit code {code})"
-        if not expected and self._ready.is_set():
-            log.error("engine_process_died", exitcode=code, live_requests=len(self._streams))
-        self._end_all(_Final("abort" if expected else "error", f"the engine process stopped: {self._dead}"))
+        lost = self._end_all(_Final("abort" if expected else "error", f"the engine process stopped: {self._dead}"))
+        if not expected:
+            self._lost += lost
+            if self._ready.is_set():
+                log.error("engine_process_died", exitcode=code, lost_requests=lost)
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -283,9 +363,11 @@ class EngineProcess:
             self._streams.pop(rid, None)
             self._adding.pop(rid, None)
 
-    def _end_all(self, final: _Final) -> None:
+    def _end_all(self, final: _Final) -> int:
+        """End every live request with `final` and fail every pending answer; returns how many requests."""
         with self._lock:
             rids = list(self._streams)
+            ended = len(set(rids) | set(self._adding))
             waiting = list(self._adding.values()) + list(self._replies.values())
             self._adding.clear()
             self._replies.clear()
@@ -295,6 +377,7 @@ class EngineProcess:
         for fut in waiting:
             if not fut.done():
                 fut.set_exception(EngineUnavailable(self.DOWN_MESSAGE))
+        return ended
 
 
 # ---- the engine process -----------------------------------------------------------------------------------
@@ -395,11 +478,13 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
                 if kind == "add":
                     add(*message[1:])
                 elif kind == "abort":
-                    loop.abort(message[1])
+                    loop.abort(message[1], message[2])
                 elif kind == "finish":
                     loop.finish(message[1], message[2])
                 elif kind == "count":
-                    loop.count(message[1])
+                    loop.count(message[1], message[2])
+                elif kind == "ping":
+                    send(("reply", message[1], True, {"busy_s": loop.busy_s()}))
                 elif kind == "metrics":
                     send(("reply", message[1], True, generate_latest(registry)))
                 elif kind == "call" and message[2] in CALLS:

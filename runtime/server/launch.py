@@ -7,11 +7,15 @@ bar, warm-up and graph capture), then the line that says where it listens and wh
 This process is the front end: it tokenizes, streams and serves `/metrics`; the engine process does every
 forward on its own main thread (`runtime/server/engine_process.py`).
 
-On the first SIGTERM or SIGINT the engine stops admitting and uvicorn stops listening (new connections are
-refused; a new request on a connection already open gets 503), running requests may finish for
-`--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their clients get a 503 or,
-streaming, an error event), uvicorn closes its connections, and the process exits with status 0. A
-second SIGINT forces uvicorn to quit at once. Limits and site checks: `runtime/server/options.py`.
+On the first SIGTERM or SIGINT the engine stops admitting: the listener stays open and new requests, on new
+or kept-alive connections, get 503 with `Connection: close` (`/health` too, so a router stops routing here);
+running requests may finish for `--shutdown-timeout` seconds, the rest are aborted (counted `aborted`; their
+clients get a 503 or, streaming, an error event). Once the engine process has exited, uvicorn closes its
+connections and the process exits with status 0. A second SIGINT or SIGTERM stops uvicorn's wait for the
+drain; a third SIGINT forces it to quit at once. Limits and site checks: `runtime/server/options.py`.
+
+The engine process is supervised (`supervisor.py`): restarted when it dies or hangs, until its restart
+budget is spent; then the server exits with status 3 (`EXIT_ENGINE_GAVE_UP`) for an outside supervisor.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ import argparse
 import multiprocessing
 import signal
 import socket
+import sys
+import threading
+import time
 
 import uvicorn
 
@@ -29,6 +36,10 @@ from runtime.server.engine_process import EngineProcess
 from runtime.server.openai_options import OpenAIOptions
 from runtime.server.options import ServerOptions
 from runtime.startup import announce, bind_port
+from runtime.server.supervisor import EngineSupervisor, SupervisionPolicy
+from telemetry.stats import FrontEndStats
+
+EXIT_ENGINE_GAVE_UP = 3
 
 
 class _DrainingServer(uvicorn.Server):
@@ -39,9 +50,28 @@ class _DrainingServer(uvicorn.Server):
         self.engine_loop = engine_loop
         self.shutdown_timeout_s = shutdown_timeout_s
 
+        self.gave_up: str | None = None
+        self._draining = False
+
     def handle_exit(self, sig, frame) -> None:
+        if self._draining:  # a second signal: stop waiting for the drain (SIGINT again: force)
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
         self.engine_loop.begin_shutdown(self.shutdown_timeout_s)
-        super().handle_exit(sig, frame)
+        threading.Thread(target=self._exit_when_drained, args=(sig,), name="swa-runtime-drain", daemon=True).start()
+
+    def _exit_when_drained(self, sig) -> None:
+        """Keep answering (503 + Connection: close) until the engine has drained and exited, then stop."""
+        deadline = time.monotonic() + self.shutdown_timeout_s + 30.0
+        while not self.engine_loop.exited and time.monotonic() < deadline:
+            time.sleep(0.05)
+        super().handle_exit(sig, None)
+
+    def give_up(self, reason: str) -> None:
+        """The engine supervisor spent its restart budget: stop serving, exit non-zero."""
+        self.gave_up = reason
+        self.should_exit = True
 
 
 def _exit_cleanly(signum, frame) -> None:
@@ -84,13 +114,21 @@ def serve(args: argparse.Namespace, listener: socket.socket | None = None) -> in
         for child in multiprocessing.active_children():  # it ignores SIGINT/SIGTERM: the front end decides
             child.kill()
         raise
-    app = create_app(engine_loop, model_name=source.name, options=opts, openai=api, chat_prompt=chat_prompt)
+    stats = FrontEndStats()
+    app = create_app(engine_loop, model_name=source.name, options=opts, openai=api, chat_prompt=chat_prompt,
+                     front_end_stats=stats)
     config = uvicorn_config(app, opts, timeout_graceful_shutdown=opts.shutdown_timeout_s + 5)
     server = _DrainingServer(config, engine_loop, opts.shutdown_timeout_s)
+    supervisor = EngineSupervisor(engine_loop, stats, supervision_policy(opts), on_give_up=server.give_up)
+    supervisor.start()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, _exit_cleanly)
     announce(f"listening on http://{args.host}:{args.port} serving {app.state.model_name}: {routes_of(app)}")
     server.run(sockets=[listener])
+    supervisor.stop()
+    if server.gave_up is not None:
+        print(f"swa-runtime: giving up: {server.gave_up}", file=sys.stderr, flush=True)
+        return EXIT_ENGINE_GAVE_UP
     return 0 if server.started else 1
 
 
@@ -103,3 +141,8 @@ def routes_of(app) -> str:
                                                                  "/docs/oauth2-redirect"):
                 by_method.setdefault(method, []).append(route.path)
     return "; ".join(f"{m} {', '.join(paths)}" for m, paths in sorted(by_method.items(), reverse=True))
+
+
+def supervision_policy(opts: ServerOptions) -> SupervisionPolicy:
+    return SupervisionPolicy(heartbeat_timeout_s=opts.engine_heartbeat_timeout_s, hang_kill_s=opts.engine_hang_kill_s,
+                             max_restarts=opts.engine_max_restarts)

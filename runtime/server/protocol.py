@@ -141,10 +141,15 @@ def error_body(status: int, message: str, type_: str) -> dict:
 
 
 def failure_of(finish_reason: str | None, message: str | None) -> tuple[int, str, str] | None:
-    """(status, message, type) of a request the server ended: an engine error, or a shutdown abort (an
-    abort with a message; a client's own abort has none, and nobody is left to read it)."""
+    """(status, message, type) of a request the server ended: an engine error, an operator's cancel
+    (/abort_request), the request deadline, or a shutdown abort (an abort with a message; a client's own
+    abort has none, and nobody is left to read it)."""
     if finish_reason == "error":
         return 500, message or "engine error", "internal_error"
+    if finish_reason == "cancelled":
+        return 410, "the request was cancelled by an operator (/abort_request)", "request_cancelled"
+    if finish_reason == "timeout":
+        return 504, message or "the request timed out", "timeout_error"
     if finish_reason == "abort" and message:
         return 503, message, "service_unavailable"
     return None

@@ -16,7 +16,8 @@ section sums it up for users); what each piece here answers:
   responses report that id (`meta.id`, `cmpl-<id>`) and `/abort_request` takes it.
 - Aborts: the router (0.3.2) has no `/abort_request` route; a client that leaves makes it drop the upstream
   connection, which this server treats like any disconnect: the request is aborted and its slots freed.
-  `/abort_request` serves clients that talk to a replica directly, as SGLang's API does.
+  `/abort_request` serves operators that talk to a replica directly, as SGLang's API does; it needs the
+  admin token (`admin.py`), and the cancelled request's own client gets a 410 (streaming: an error event).
 - Bodies: the router re-serialises `/generate` bodies through its own schema, adding its fields with their
   defaults (`ROUTER_GENERATE_FIELDS` in protocol.py); `/v1/completions` gets `echo`, `no_stop_trim`,
   `skip_special_tokens` and `return_hidden_states`, and its parser takes text prompts only.
@@ -31,6 +32,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.server import protocol
+from runtime.server.admin import AdminToken
 from runtime.server.body import read_body, require_json
 from runtime.server.protocol import APIError
 from telemetry import names
@@ -69,19 +71,20 @@ class LiveRequests:
         return rid
 
     def abort(self, rid: str) -> None:
-        """Abort every unfinished request known by `rid` (aborting one that just ended is a no-op)."""
+        """Cancel every unfinished request known by `rid` (cancelling one that just ended is a no-op)."""
         for stream, cid in list(self._ids.items()):
             if cid == rid or stream.rid == rid:
-                stream.abort()
+                stream.abort("cancelled")
 
     def abort_all(self) -> None:
         for stream in list(self._ids.keys()):
-            stream.abort()
+            stream.abort("cancelled")
 
 
-def add_routes(app: FastAPI, *, engine_loop, model_name: str, live: LiveRequests, body_timeout_s: float) -> None:
-    """Mount the routes the router calls: server and model info, load, aborts. `engine_loop` is what the app
-    serves (an `EngineLoop` or `EngineProcess`: its queue sizes and metrics exposition are read here)."""
+def add_routes(app: FastAPI, *, engine_loop, model_name: str, live: LiveRequests, body_timeout_s: float,
+               admin: AdminToken) -> None:
+    """Mount the routes the router calls: server and model info, load, aborts (behind `admin`). `engine_loop`
+    is what the app serves (an `EngineLoop` or `EngineProcess`: its queue sizes and metrics are read here)."""
 
     def server_info() -> dict:
         return {"served_model_name": model_name, "dp_size": 1, "context_length": engine_loop.context_length}
@@ -103,6 +106,7 @@ def add_routes(app: FastAPI, *, engine_loop, model_name: str, live: LiveRequests
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> JSONResponse:
+        admin.require(request)
         require_json(request)
         raw = await read_body(request, MAX_ABORT_BODY_BYTES, body_timeout_s)
         body = protocol.validate(protocol.AbortRequest, protocol.parse_json(raw))

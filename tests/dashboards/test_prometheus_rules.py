@@ -33,6 +33,8 @@ EXPECTED_ALERTS = {
     "SWARuntimeKVPoolPressure",
     "SWARuntimeMetricsAbsent",
     "SWARuntimeRequestErrors",
+    "SWARuntimeEngineDown",
+    "SWARuntimeEngineRestarts",
     "SWARuntimeRequestsRefused",
     "SWARuntimeSlowFirstToken",
     "SWARuntimeSlowDecode",

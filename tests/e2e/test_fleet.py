@@ -6,12 +6,15 @@ replica's own /metrics says it served some) and equal a single replica's outputs
 dashboard returns data, per instance where it breaks down by instance; a fault injected into replica 2 only
 fires the alert for replica 2 alone; a client leaving the router aborts the request on its replica; killing
 replica 1 mid-run loses no request that had not started on it, the survivor finishes everything, and the
-fleet brings replica 1 back; SIGTERM stops everything in order. Bounded in time throughout."""
+fleet brings replica 1 back; the public port refuses foreign sites and the router's worker API, which itself
+refuses callers without the admin key; a replica removed from the router is added back; a replica's engine
+killed mid-load heals in place; SIGTERM stops everything in order. Bounded in time throughout."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -67,9 +70,30 @@ def requests_by_status(url: str, status: str) -> float:
     return samples(url)[("swa_runtime_requests_total", (("status", status),))]
 
 
+ADMIN_KEY = "fleet-admin-key-for-tests-0123456789"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+def router_call(url: str, method: str = "GET", headers: dict | None = None, body: dict | None = None):
+    """(status, parsed body) of a call to the router's worker API."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method,
+                                 headers={**(headers or {}), **({"Content-Type": "application/json"} if data else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=5) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
+
+
 def workers(router: str) -> dict[str, bool]:
-    with urllib.request.urlopen(f"{router}/workers", timeout=5) as r:
-        return {w["url"]: w["is_healthy"] for w in json.load(r)["workers"]}
+    status, body = router_call(f"{router}/workers", headers=ADMIN)
+    assert status == 200, body
+    return {w["url"]: w["is_healthy"] for w in body["workers"]}
+
+
+def worker_ids(router: str) -> dict[str, str]:
+    return {w["url"]: w["id"] for w in router_call(f"{router}/workers", headers=ADMIN)[1]["workers"]}
 
 
 def serve_pid(port: int) -> int:
@@ -94,7 +118,8 @@ def fleet(tmp_path_factory):
            "--log-dir", str(work / "logs"), "--prometheus-targets", str(targets), "--log-level", "INFO", "--log-format", "json",
            "--replica-args", "2:" + " ".join(f"--inject {f}" for f in FAULTS)]
     out = (work / "fleet.out").open("w")
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                            env={**os.environ, "SWA_RUNTIME_ADMIN_TOKEN": ADMIN_KEY})
     router = f"http://127.0.0.1:{port}"
     try:
         wait_for(lambda: targets.exists(), 60, "the fleet's targets file")
@@ -108,8 +133,10 @@ def fleet(tmp_path_factory):
     try:
         wait_for(lambda: proc.poll() is None and "behind the router" in (work / "fleet.out").read_text(), 300,
                  "the fleet to serve")
+        internal = re.search(r"router internally: (http://127\.0\.0\.1:\d+)", (work / "fleet.out").read_text())[1]
         wait_for(lambda: len(prom_query(prom_url, "up == 1")) == 3, 60, "Prometheus scraping 2 replicas + router")
-        yield {"proc": proc, "router": router, "replicas": replicas, "prom": prom_url, "work": work,
+        yield {"proc": proc, "router": router, "internal": internal, "replicas": replicas, "prom": prom_url,
+               "work": work,
                "instances": [r.removeprefix("http://") for r in replicas], "reference": {}}
     finally:
         stop(proc, timeout=60)
@@ -186,10 +213,10 @@ def test_a_client_leaving_the_router_aborts_its_request_on_the_replica(fleet):
         assert samples(url)[("swa_runtime_num_queue_reqs", ())] == 0
 
 
-def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
-    victim, survivor = fleet["replicas"]
-    finished_before = requests_by_status(survivor, "finished")
-    results: dict[int, tuple[float, float, int, dict]] = {}  # index -> (sent, answered, status, body)
+def load_with_a_kill(fleet, pid: int) -> tuple[dict[int, tuple[float, float, int, dict]], float]:
+    """40 requests through the router, 6 at a time; SIGKILL to `pid` once 5 are answered. Returns
+    {index: (sent, answered, status, body)} and the time of the kill."""
+    results: dict[int, tuple[float, float, int, dict]] = {}
     killed_at: list[float] = []
 
     def send(i: int) -> None:
@@ -199,7 +226,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
 
     def kill_when_running() -> None:
         wait_for(lambda: len(results) >= 5, 120, "the first answers")
-        os.kill(serve_pid(int(victim.rsplit(":", 1)[1])), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
         killed_at.append(time.monotonic())
 
     killer = threading.Thread(target=kill_when_running)
@@ -208,6 +235,13 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
         list(pool.map(send, range(40)))
     killer.join(60)
     (kill,) = killed_at
+    return results, kill
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
+    victim, survivor = fleet["replicas"]
+    finished_before = requests_by_status(survivor, "finished")
+    results, kill = load_with_a_kill(fleet, serve_pid(int(victim.rsplit(":", 1)[1])))
     in_flight = [i for i, (sent, answered, _, _) in results.items() if sent < kill < answered]
     failed = [i for i, (_, _, status, _) in results.items() if status != 200]
     assert set(failed) <= set(in_flight), "only requests running when the replica died may fail"
@@ -222,7 +256,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
     print(f"kill mid-run: {len(in_flight)} in flight at the kill, {len(failed)} failed, {len(after)} sent after it")
     wait_for(lambda: samples(survivor)[("swa_runtime_num_running_reqs", ())] == 0, 30, "the survivor to idle")
     # the fleet restarts the victim on the same port and the router routes to it again
-    wait_for(lambda: workers(fleet["router"]) == {victim: True, survivor: True}, 180, "the victim to serve again")
+    wait_for(lambda: workers(fleet["internal"]) == {victim: True, survivor: True}, 180, "the victim to serve again")
     status, body = generate(victim, PROMPTS[0])
     assert status == 200 and body["output_ids"] == fleet["reference"][PROMPTS[0]]
     events = [json.loads(line) for line in (fleet["work"] / "fleet.out").read_text().splitlines()
@@ -231,11 +265,64 @@ def test_killing_a_replica_loses_no_request_that_had_not_started_on_it(fleet):
     assert [e["replica"] for e in events if e["event"] == "fleet_replica_restarting"] == [1]
 
 
+def test_the_public_port_refuses_foreign_sites_and_the_worker_api(fleet):
+    public, ids = fleet["router"], worker_ids(fleet["internal"])
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    for headers in ({"Origin": "http://evil.example"}, {"Host": "evil.example"}):
+        status, answer = router_call(f"{public}/generate", "POST", headers, body)
+        assert status == 403 and "evil.example" in answer
+        assert router_call(f"{public}/workers/{next(iter(ids.values()))}", "DELETE", {**headers, **ADMIN})[0] == 403
+    for method, path in (("GET", "/workers"), ("POST", "/workers"), ("DELETE", f"/workers/{next(iter(ids.values()))}"),
+                         ("POST", "/flush_cache"), ("GET", "/get_loads")):
+        status, answer = router_call(f"{public}{path}", method, ADMIN, {"url": "http://127.0.0.1:9"} if method == "POST"
+                                     else None)
+        assert status == 404 and "public port" in answer, (method, path)
+    assert worker_ids(fleet["internal"]) == ids  # routing unchanged
+    assert all(generate(public, p)[0] == 200 for p in PROMPTS[:4])
+
+
+def test_the_routers_worker_api_refuses_callers_without_the_admin_key(fleet):
+    router = fleet["internal"]
+    ids = worker_ids(router)
+    evil = {"Origin": "http://evil.example", "Host": "evil.example"}
+    for headers in ({}, evil, {"Authorization": "Bearer guessed"}):
+        assert router_call(f"{router}/workers", headers=headers)[0] == 401
+        assert router_call(f"{router}/workers", "POST", headers, {"url": "http://127.0.0.1:9"})[0] == 401
+        for worker_id in ids.values():
+            assert router_call(f"{router}/workers/{worker_id}", "DELETE", headers)[0] == 401
+    assert workers(router) == {url: True for url in fleet["replicas"]}  # routing unchanged
+    assert all(generate(fleet["router"], p)[0] == 200 for p in PROMPTS[:4])
+
+
+def test_a_replica_removed_from_the_router_is_added_back(fleet):
+    router, (first, _) = fleet["internal"], fleet["replicas"]
+    assert router_call(f"{router}/workers/{worker_ids(router)[first]}", "DELETE", ADMIN)[0] < 300
+    wait_for(lambda: workers(router) == {url: True for url in fleet["replicas"]}, 60, "the replica added back")
+
+
+def test_killing_a_replicas_engine_mid_load_heals_in_place(fleet):
+    """The replica restarts its own engine process: only requests running on it fail, both replicas serve
+    again, and the restart is counted on the victim."""
+    victim = fleet["replicas"][0]
+    serve = serve_pid(int(victim.rsplit(":", 1)[1]))
+    engine = next(int(p) for p in Path(f"/proc/{serve}/task/{serve}/children").read_text().split()
+                  if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes())
+    results, kill = load_with_a_kill(fleet, engine)
+    in_flight = {i for i, (sent, answered, _, _) in results.items() if sent < kill < answered}
+    failed = {i for i, (_, _, status, _) in results.items() if status != 200}
+    assert failed <= in_flight, "only requests running when the engine died may fail"
+    wait_for(lambda: samples(victim)[("swa_runtime_engine_up", ())] == 1, 120, "the engine restarted")
+    assert samples(victim)[("swa_runtime_engine_restarts_total", ())] == 1
+    wait_for(lambda: workers(fleet["internal"]) == {url: True for url in fleet["replicas"]}, 120, "both serving")
+    assert serve_pid(int(victim.rsplit(":", 1)[1])) == serve  # healed in place, not restarted by the fleet
+    assert generate(victim, PROMPTS[0])[1]["output_ids"] == fleet["reference"][PROMPTS[0]]
+
+
 def test_sigterm_stops_the_replicas_then_the_router(fleet):
     proc = fleet["proc"]
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
-    for url in [*fleet["replicas"], fleet["router"]]:
+    for url in [*fleet["replicas"], fleet["router"], fleet["internal"]]:
         with pytest.raises(OSError):
             urllib.request.urlopen(f"{url}/health", timeout=2)
 

@@ -398,7 +398,7 @@ REFUSED = {
                                      "top_logprobs: Extra inputs are not permitted"),
     "other model": ({"model": "gpt-4o", "messages": M}, 404, "model 'gpt-4o' not found; this server serves 'tiny'"),
     "a long model name is cut": ({"model": "m" * 5000, "messages": M}, 404,
-                                 f"model '{'m' * 64}...' not found; this server serves 'tiny'"),
+                                 f"model '{'m' * 64}'... (5000 characters) not found; this server serves 'tiny'"),
     "longer than the context": ({"messages": M, "max_tokens": 1000}, 400,
                                 "max_new_tokens (1000) exceeds the context length of 1024 tokens"),
     "stop on completions": ({"prompt": "hi", "stop": ["a"] * 5}, 400, "stop: at most 4 stop strings (got 5)"),

@@ -1,5 +1,6 @@
 """What the SGLang router needs of a worker (runtime/server/router_compat.py), on a live tiny server: bodies as
-the router re-serialises them, registration info without a tokenizer path, load, request ids and aborts."""
+the router re-serialises them, registration info without a tokenizer path, load and request ids (aborts:
+test_abort_authority.py)."""
 
 from __future__ import annotations
 
@@ -94,37 +95,3 @@ def test_load_reports_requests_and_kv_tokens(client, live):
     (load,) = seen
     assert load["num_reqs"] == 1 and load["num_tokens"] >= len(PROMPT)
     live.wait_idle_clean()
-
-
-@pytest.mark.parametrize("abort", [{"rid": "to-abort"}, {"abort_all": True}])
-def test_abort_request_ends_the_stream_and_frees_its_slots(client, live, abort):
-    events, started = [], threading.Event()
-
-    def consume():
-        body = {"input_ids": PROMPT, "stream": True, "rid": "to-abort",
-                "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
-        with client.stream("POST", "/generate", json=body) as r:
-            lines = []
-            for line in r.iter_lines():
-                lines.append(line)
-                started.set()
-            events.extend(sse_events(lines))
-
-    worker = threading.Thread(target=consume)
-    worker.start()
-    assert started.wait(30)
-    r = client.post("/abort_request", json=abort)
-    assert r.status_code == 200 and r.json() == {}
-    worker.join(30)
-    assert events[-1] == "[DONE]"
-    assert events[-2]["meta"]["finish_reason"] == "abort" and events[-2]["meta"]["id"] == "to-abort"
-    assert events[-2]["meta"]["completion_tokens"] < 900
-    live.wait_idle_clean()
-    assert client.post("/abort_request", json={"rid": "to-abort"}).status_code == 200  # ended: a no-op
-
-
-def test_abort_request_validates_its_body(client):
-    r = client.post("/abort_request", json={})
-    assert r.status_code == 400 and "exactly one of `rid` or `abort_all: true`" in r.json()["error"]["message"]
-    assert client.post("/abort_request", content=b'{"rid": "x"}').status_code == 415
-    assert client.post("/abort_request", json={"abort_all": True}).status_code == 200

@@ -149,3 +149,10 @@ def test_a_good_request_still_works_after_the_bad_ones(client, live):
     assert r.status_code == 200 and r.json()["meta"] == {
         "id": r.json()["meta"]["id"], "prompt_tokens": 3, "completion_tokens": 3, "finish_reason": "length"}
     live.wait_idle_clean()
+
+
+def test_a_huge_unknown_model_name_is_not_echoed_whole(client):
+    r = client.post("/v1/completions", json={"model": "m" * 3_000_000, "prompt": "hi"})
+    assert r.status_code == 404 and len(r.content) < 500
+    expected = f"model {'m' * 64!r}... (3000000 characters) not found; this server serves 'tiny'"
+    assert r.json()["error"]["message"] == expected

@@ -218,7 +218,7 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", "tiny", "--port", str(port),
-                             "--disable-graphs", "--shutdown-timeout", "0.5"],
+                             "--disable-graphs", "--shutdown-timeout", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -230,14 +230,23 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
                     break
             except httpx.TransportError:
                 time.sleep(0.1)
-        with httpx.Client(base_url=url, timeout=60) as client:
+        with httpx.Client(base_url=url, timeout=60) as client, httpx.Client(base_url=url, timeout=10) as kept:
+            assert kept.get("/health").status_code == 200  # a kept-alive connection, idle during the drain
             body = {"input_ids": [2, 9, 9], "stream": True, "sampling_params": {"max_new_tokens": 1000,
                                                                                 "ignore_eos": True}}
             with client.stream("POST", "/generate", json=body) as r:
                 lines = r.iter_lines()
                 first = next(lines)
                 proc.send_signal(signal.SIGTERM)
+                time.sleep(0.3)
+                # draining: the listener and kept-alive connections stay open and say so, then close
+                health = kept.get("/health")
+                fresh = httpx.post(f"{url}/generate", json={"input_ids": [2, 9]}, timeout=10)
                 events = sse_events([first, *lines])
+        assert health.status_code == 503 and health.headers["connection"] == "close"
+        assert health.json()["error"]["message"] == "the server is shutting down"
+        assert fresh.status_code == 503 and fresh.headers["connection"] == "close"
+        assert "shutting down" in fresh.json()["error"]["message"]
         assert events[-2:] == [SHUTDOWN_ERROR, "[DONE]"]
         assert proc.wait(30) == 0
     finally:

@@ -8,8 +8,8 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry import names
-from telemetry.collector import make_registry
-from telemetry.stats import FORWARD_SECONDS_BUCKETS, LATENCY_BUCKETS
+from telemetry.collector import make_registry, process_registry
+from telemetry.stats import FORWARD_SECONDS_BUCKETS, LATENCY_BUCKETS, FrontEndStats
 
 
 def scrape(registry) -> dict[str, dict[tuple, float]]:
@@ -303,3 +303,27 @@ def test_speculative_decoding_counts_per_algorithm(stats, registry):
     assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "1.0"))] == 1.0
     assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "3.0"))] == 1.0
     assert samples[h + "_bucket"][(("algorithm", "ngram"), ("le", "4.0"))] == 2.0
+
+
+def test_front_end_series_exist_from_start_up_and_count_exactly():
+    up = [True]
+    front = FrontEndStats(engine_up=lambda: up[0])
+    registry = process_registry(front)
+    samples = scrape(registry)
+    assert samples[names.ENGINE_UP] == {(): 1.0}
+    assert samples[names.ENGINE_RESTARTS] == {(): 0.0}
+    assert samples[names.HTTP_RESPONSES] == {(("code", c),): 0.0 for c in names.HTTP_CODE_LABELS}
+    for code in (200, 200, 413, 503, 299):
+        front.record_response(code)
+    front.engine_restarts += 1
+    up[0] = False
+    samples = scrape(registry)
+    assert samples[names.ENGINE_UP] == {(): 0.0}  # read at scrape time
+    assert samples[names.ENGINE_RESTARTS] == {(): 1.0}
+    responses = samples[names.HTTP_RESPONSES]
+    assert (responses[(("code", "200"),)], responses[(("code", "413"),)], responses[(("code", "503"),)]) == (2, 1, 1)
+    assert responses[(("code", "other"),)] == 1  # 299 folds into other
+    assert sum(responses.values()) == 5
+    t = types(registry)
+    assert (t[names.ENGINE_UP], t[names.ENGINE_RESTARTS.removesuffix("_total")],
+            t[names.HTTP_RESPONSES.removesuffix("_total")]) == ("gauge", "counter", "counter")
