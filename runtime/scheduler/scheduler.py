@@ -26,6 +26,7 @@ from collections import deque
 
 from runtime.config import ResolvedConfig
 from runtime.core import Req, RequestError
+from runtime.mem_cache.paths import SCHEDULER_PATHS
 from runtime.mem_cache.slots import KVSlots, PrefixMatch
 from runtime.scheduler.batch import ScheduledBatch
 
@@ -46,6 +47,7 @@ class Scheduler:
         self.running: list[Req] = []  # admitted: they hold a request row and KV slots
         self.by_rid: dict[str, Req] = {}
         self.holds: dict[Req, PrefixMatch] = {}  # cached prefixes held by running requests (the cache's slots)
+        self.path_counts = dict.fromkeys(SCHEDULER_PATHS, 0)  # runtime/mem_cache/paths.py
 
     # ---- requests ----------------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -174,6 +176,7 @@ class Scheduler:
                     return
                 r.offloaded = None
                 r.locs = locs
+                self.path_counts["loadback"] += 1
                 self.stats.add_hicache_loadbacks(1)
             else:
                 ids = r.all_ids()
@@ -207,6 +210,7 @@ class Scheduler:
             if n <= 0:
                 break
             chosen.append(r)
+            self.path_counts["prefill_chunked"] += r.cached + n < self._prefill_target(r)
             prefix.append(r.cached)
             seq.append(r.cached + n)
             last.append(r.locs[-1] if r.locs else -1)
@@ -260,6 +264,7 @@ class Scheduler:
             if cut <= r.swa_released_upto:
                 continue
             freed = self.slots.free_swa(r.locs[r.swa_released_upto:cut])
+            self.path_counts["window_release"] += 1
             self.stats.add_evicted_tokens(freed)
             r.swa_released_upto = cut // ps * ps
 
@@ -272,9 +277,11 @@ class Scheduler:
             r.swa_released_upto = swa_from
             self.stats.add_hicache_offloads(1)
             self.stats.record_retraction("offload")
+            self.path_counts["retract_offload"] += 1
         else:
             r.swa_released_upto = 0  # recompute from scratch
             self.stats.record_retraction("recompute")
+            self.path_counts["retract_recompute"] += 1
         self._free_slots(r)
         r.status = "waiting"
         self.waiting.appendleft(r)
@@ -307,6 +314,9 @@ class Scheduler:
             ids = r.all_ids()[:r.cached]
             self.slots.cache_prefix(ids, r.locs, self.holds.pop(r, None), r.swa_released_upto)
             r.locs = []
+            self.path_counts["finish_cache_prefix"] += 1
+        elif status == "finished" and r.locs:
+            self.path_counts["finish_free"] += 1
         self._free_slots(r)
         if r.offloaded is not None:
             self.slots.drop(r.offloaded)
