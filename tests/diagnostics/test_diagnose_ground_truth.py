@@ -12,6 +12,7 @@ from runtime.diagnose import SETUPS, run_diagnose
 from runtime.diagnose.reference import DenseReference
 from runtime.diagnose.workload import compare
 from runtime.engine import Engine
+from runtime.executor.graph_runner import StaticGraphRunner
 from runtime.mem_cache import paths
 from runtime.models.loader import load_model
 from runtime.scheduler.scheduler import Scheduler
@@ -100,6 +101,29 @@ def test_a_bug_that_corrupts_every_policy_alike_is_caught(monkeypatch):
         assert {(m.setup, m.phase) for m in p.mismatches} == {(s.name, ph) for s in SETUPS for ph in s.phases}
         assert all(m.undetected for m in p.mismatches)
     assert report.exit_status == 1 and [r for r in report.rows if not r.benign] == []
+
+
+def padding_aimed_at_a_live_slot(mp):
+    """Graph replay pads a short batch with rows that write into the first request's new slot instead of the
+    sink (issue 21, class 1: padded rows of the static buffers not reset)."""
+    original = StaticGraphRunner.load
+
+    def load(self, batch):
+        static = original(self, batch)
+        static.out_cache_loc[batch.batch_size:] = batch.out_cache_loc[0]
+        return static
+
+    mp.setattr(StaticGraphRunner, "load", load)
+
+
+def test_padding_that_writes_a_live_slot_is_caught_under_every_policy(monkeypatch):
+    padding_aimed_at_a_live_slot(monkeypatch)
+    wide = tuple(s for s in SETUPS if s.name == "wide")  # the setup whose batches are replayed padded
+    report = run_diagnose(policies=("memo", "off"), setups=wide)
+    for p in report.policies:  # before: memo compared equal to off, which writes the same wrong slot
+        [m] = p.mismatches
+        assert (m.setup, m.phase) == ("wide", "wide_decode") and m.max_logit_diff > 0.1
+    assert report.exit_status == 1
 
 
 def test_the_reference_rules_out_tokens_only_beyond_rounding():
