@@ -23,7 +23,8 @@ from runtime.diagnose.workload import Mismatch, RunResult
 # Dense and paged logits of a clean build differ by rounding. Measured in float32 with one thread over every
 # diagnose setup and policy of the tiny model (2940 tokens, logits up to 46.5): at most 3.5e-5, and at most
 # 1.3e-6 of the largest |logit| of the token's row. The bound is relative to that scale, with a floor, so
-# that it carries over to larger models whose logits reach tens: here it sits about 80x above the measurement.
+# that it carries over to larger models: here it sits about 80x above the measurement; on Gemma 3 270M (two
+# requests of 552 and 521 tokens, six generated each) the difference was at most 3.9e-6 relative, about 25x below.
 LOGIT_RTOL = 1e-4
 LOGIT_ATOL = 1e-5
 
