@@ -217,8 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet_args(fleet)
     fleet.set_defaults(func=cmd_fleet)
 
-    diag = sub.add_parser("diagnose", help="run every forward mode and policy, report translation-cache events "
-                          "with their origin and a suggested fix (exit 1 on any bug-class event)")
+    diag = sub.add_parser("diagnose", help="run every forward mode, policy and memory path, hold the outputs against "
+                          "a dense reference, report translation-cache events with their origin and a suggested fix "
+                          "(exit 1 on any bug-class event, undetected corruption or path never taken)")
     diag.add_argument("--model", default="tiny", help="tiny (default), gemma3-270m, a .gguf file or a HF directory")
     diag.add_argument("--policy", action="append", default=[], choices=POLICIES,
                       help="translation policy to run (repeatable; default: all)")

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from runtime.diagnose.workload import PHASES, Mismatch, RunResult
+from runtime.diagnose.workload import BENIGN, PHASES, Mismatch, RunResult
 from runtime.mem_cache.translation import ONE_OFF_SITE
 from telemetry.events import KeyChangeEvent
-BENIGN = "benign_fresh_tensor"
 
 
 MUTATION_CODE = {
@@ -81,6 +80,7 @@ class Row:
     first: KeyChangeEvent | None
     phase: str | None  # workload phase of the first occurrence (None when read from a log)
     instance: str | None = None  # the replica the events came from (only when read from logs)
+    setup: str | None = None  # the workload setup of the first occurrence (None when read from a log)
 
     @property
     def benign(self) -> bool:
@@ -89,7 +89,8 @@ class Row:
     def as_dict(self) -> dict:
         e, first = self.first, None
         if e is not None:
-            first = {"forward_id": e.forward_id, "mode": e.mode, "phase": self.phase, "prev_site": e.prev_site,
+            first = {"forward_id": e.forward_id, "mode": e.mode, "setup": self.setup, "phase": self.phase,
+                     "prev_site": e.prev_site,
                      "prev_forward_id": e.prev_forward_id, "prev_mode": e.prev_mode, "cause": e.cause,
                      "stack": e.stack}
         row = {"policy": self.policy, "site": self.site, "classification": self.classification,
@@ -118,7 +119,8 @@ def render_rows(rows: list[Row], show_instance: bool = False) -> list[str]:
         lines.append("(no key-change events)")
     for r in rows:
         e = r.first
-        seen = f"fwd {e.forward_id} {e.mode}" + (f" ({r.phase})" if r.phase else "") if e else "-"
+        where = r.phase if r.setup in (None, "base") else f"{r.setup}/{r.phase}"
+        seen = f"fwd {e.forward_id} {e.mode}" + (f" ({where})" if r.phase else "") if e else "-"
         filled = f"{e.prev_site} @ fwd {e.prev_forward_id} {e.prev_mode}" if e and e.prev_site else "-"
         kind = "benign" if r.benign else "BUG"
         instance = f"{r.instance or '-':<{width}}" if show_instance else ""
@@ -144,10 +146,23 @@ def render_verdict(totals: dict, failures: list[str], exit_status: int) -> list[
 @dataclass
 class PolicyReport:
     policy: str
-    result: RunResult
+    runs: list[RunResult]  # one per workload setup
     reference: str  # what the outputs were compared with
     mismatches: list[Mismatch]
     failures: list[str]
+
+    @property
+    def result(self) -> RunResult:
+        """The run of the first (base) setup."""
+        return self.runs[0]
+
+    @property
+    def stale_guard_misses(self) -> int:
+        return sum(r.stale_guard_misses for r in self.runs)
+
+    @property
+    def undetected(self) -> list[Mismatch]:
+        return [m for m in self.mismatches if m.undetected]
 
 
 @dataclass
@@ -169,17 +184,22 @@ class Report:
 
     def totals(self) -> dict:
         return {**row_totals(self.rows), "output_mismatches": sum(len(p.mismatches) for p in self.policies),
+                "undetected_corruption": sum(len(p.undetected) for p in self.policies),
                 "failures": len(self.failures)}
 
     def as_dict(self) -> dict:
         return {
             "model": self.model, "inject": list(self.inject), "loc_cache_guard": self.guard,
             "loc_cache_verify": self.verify, "phases": list(PHASES),
+            "setups": [r.setup for r in self.policies[0].runs] if self.policies else [],
             "rows": [r.as_dict() for r in self.rows],
+            "undetected_corruption": [{"policy": p.policy, **vars(m)} for p in self.policies for m in p.undetected],
             "runs": [{"policy": p.policy, "reference": p.reference, "outputs_equal": not p.mismatches,
-                      "mismatches": [vars(m) for m in p.mismatches], "coverage": p.result.coverage,
-                      "stale_guard_misses": p.result.stale_guard_misses,
-                      "suppressed_logs": p.result.suppressed_logs, "failures": p.failures}
+                      "mismatches": [vars(m) for m in p.mismatches],
+                      "coverage": {r.setup: r.coverage for r in p.runs},
+                      "memory_paths": {r.setup: r.memory_paths for r in p.runs},
+                      "stale_guard_misses": p.stale_guard_misses,
+                      "suppressed_logs": sum(r.suppressed_logs for r in p.runs), "failures": p.failures}
                      for p in self.policies],
             "totals": self.totals(),
             "failures": self.failures,
@@ -187,20 +207,39 @@ class Report:
         }
 
 
+def _workload_lines(runs: list[RunResult]) -> list[str]:
+    """What one policy's runs exercised: per setup its phases, then runner branches and memory paths summed."""
+    lines = ["workload per policy, setups: " + "; ".join(f"{r.setup} ({', '.join(r.outputs)})" for r in runs)]
+    for title, field in (("branches and features", "coverage"), ("memory paths", "memory_paths")):
+        total: dict[str, int] = {}
+        for r in runs:
+            for k, v in getattr(r, field).items():
+                total[k] = total.get(k, 0) + v
+        lines.append(f"  {title}: " + ", ".join(f"{k} {v}" for k, v in total.items()))
+    return lines
+
+
 def render(report: Report) -> str:
     """The table for people: one line per (policy, site, classification), then origin, cause, stack and fix."""
     lines = [f"swa-runtime diagnose: model {report.model}, inject {' '.join(report.inject) or '(none)'}, "
              f"guard {'on' if report.guard else 'off'}" + (f", verify {report.verify:g}" if report.verify else "")]
     if report.policies:
-        cov = report.policies[0].result.coverage
-        lines.append(f"workload per policy ({', '.join(PHASES)}): " + ", ".join(f"{k} {v}" for k, v in cov.items()))
+        lines += _workload_lines(report.policies[0].runs)
     lines.append("")
     lines += render_rows(report.rows)
     lines.append("")
+    undetected = [(p.policy, m) for p in report.policies for m in p.undetected]
+    if undetected:
+        lines.append("undetected corruption: outputs the dense reference contradicts, no bug-class event in the phase")
+        lines.append(f"{'policy':<12}{'setup':<11}{'phase':<18}{'tokens differ':>14}  max |dlogit|")
+        for policy, m in undetected:
+            lines.append(f"{policy:<12}{m.setup:<11}{m.phase:<18}{f'{m.tokens_differ}/{m.tokens_total}':>14}  "
+                         f"{m.max_logit_diff:.3g}")
+        lines.append("")
     for p in report.policies:
-        n = p.result.stale_guard_misses
+        n = p.stale_guard_misses
         recomputed = f" ({n} stale {'entry' if n == 1 else 'entries'} recomputed)" if n else ""
         lines.append(f"outputs {p.policy:<12}{'equal' if not p.mismatches else 'DIFFER'} vs {p.reference}{recomputed}")
-        lines += [f"{'':<20}{m.describe()}" for m in p.mismatches]
+        lines += [f"{'':<20}{m.describe()}" + (" (undetected)" if m.undetected else "") for m in p.mismatches]
     lines += ["", *render_verdict(report.totals(), report.failures, report.exit_status)]
     return "\n".join(lines)

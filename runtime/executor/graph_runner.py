@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from runtime.executor.forward_batch import ForwardBatch
+from runtime.mem_cache.paths import GRAPH_PATHS
 
 WARMUP_RUNS = 2  # warm-up forwards before the capture forward, per batch size
 
@@ -33,12 +34,14 @@ class StaticGraphRunner:
         sizes = tuple(bs for bs in sorted(set(batch_sizes)) if bs <= max_batch)
         self.batch_sizes = sizes or (1,)
         self.buffers = {bs: _StaticBuffers(bs, device) for bs in self.batch_sizes}
+        self.path_counts = dict.fromkeys(GRAPH_PATHS, 0)  # runtime/mem_cache/paths.py
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
     def can_run(self, batch: ForwardBatch) -> bool:
+        self.path_counts["decode_twice_graph_max"] += batch.is_decode and batch.batch_size >= 2 * self.max_batch_size
         return batch.is_decode and batch.batch_size <= self.max_batch_size
 
     def capture_batch(self, bs: int) -> ForwardBatch:
@@ -50,6 +53,7 @@ class StaticGraphRunner:
         bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
         buf = self.buffers[bs]
         n = batch.batch_size
+        self.path_counts["graph_replay_padded" if n < bs else "graph_replay_exact"] += 1
         # Zero the padded region on every replay so no stale slot survives.
         buf.input_ids[:n].copy_(batch.input_ids)
         buf.input_ids[n:].zero_()

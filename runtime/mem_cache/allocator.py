@@ -13,6 +13,8 @@ from collections import deque
 
 import torch
 
+from runtime.mem_cache.paths import PAGED_ALLOCATOR_PATHS
+
 
 class AllocationError(RuntimeError):
     """Raised on misuse (double free, bad location); a failed alloc returns None instead."""
@@ -28,6 +30,7 @@ class PagedAllocator:
         self.page_size = page_size
         self.num_pages = size // page_size
         self.device = torch.device(device)
+        self.path_counts = dict.fromkeys(PAGED_ALLOCATOR_PATHS, 0)  # runtime/mem_cache/paths.py
         self.clear()
 
     # ---- state -------------------------------------------------------------------------------------------
@@ -81,6 +84,7 @@ class PagedAllocator:
                     self._give_back(pages)
                     raise AllocationError(f"prefix of {p} tokens ends mid-page but last_loc is {last}")
                 fill = min(s, -(-p // ps) * ps) - p  # slots left on the request's current page
+                self.path_counts["alloc_partial_page"] += 1
                 out.extend(range(last + 1, last + 1 + fill))
                 p += fill
             while p < s:

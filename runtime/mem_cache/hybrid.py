@@ -18,6 +18,7 @@ import torch
 
 from runtime.mem_cache.allocator import AllocationError, PagedAllocator, check_locations
 from runtime.mem_cache.mapping_record import MappingRecord
+from runtime.mem_cache.paths import HYBRID_ALLOCATOR_PATHS
 
 InvalidateHook = Callable[[str], None]
 
@@ -36,6 +37,7 @@ class HybridAllocator:
         self.mapping_generation = 0  # bumped when a new mapping tensor is registered
         self.last_mutation: str | None = None  # site of the latest mapping mutation, for attributing staleness
         self._invalidate_hooks: list[InvalidateHook] = []
+        self.path_counts = dict.fromkeys(HYBRID_ALLOCATOR_PATHS, 0)  # runtime/mem_cache/paths.py
 
     def add_invalidate_hook(self, hook: InvalidateHook) -> None:
         self._invalidate_hooks.append(hook)
@@ -99,6 +101,7 @@ class HybridAllocator:
         swa_locs = self.swa.alloc_extend([swa_from], [n], [-1])
         assert full_locs is not None and swa_locs is not None
         self._map(full_locs[swa_from:], swa_locs)
+        self.path_counts["alloc_window"] += 1
         return full_locs
 
     def _map(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
@@ -133,6 +136,7 @@ class HybridAllocator:
             pages, counts = torch.unique(swa_locs // ps, return_counts=True)
             whole = pages[counts == ps]
             keep = torch.isin(swa_locs // ps, whole)
+            self.path_counts["free_swa_page_kept"] += int(not bool(keep.all()))
             full_locs, swa_locs = full_locs[keep], swa_locs[keep]
             if swa_locs.numel() == 0:
                 return 0
@@ -154,6 +158,7 @@ class HybridAllocator:
         if full_locs.shape != swa_locs.shape:
             raise ValueError(f"mapping update shapes differ: {tuple(full_locs.shape)} vs {tuple(swa_locs.shape)}")
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), swa_locs.long())
+        self.path_counts["set_mapping"] += 1
         self._mutated("set_mapping")
 
     def clear_swa_mapping(self, full_locs: torch.Tensor, site: str = "clear_swa_mapping") -> None:
@@ -171,6 +176,7 @@ class HybridAllocator:
         self.full_to_swa_index_mapping = mapping
         self.record.adopt(mapping)
         self.mapping_generation += 1
+        self.path_counts["register_mapping"] += 1
         self._mutated(site)
 
     def check_mapping(self, mapping: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
+from runtime.mem_cache.paths import PREFIX_CACHE_PATHS
 from telemetry.stats import PrefixCacheStats
 
 
@@ -105,6 +106,7 @@ class RadixCache:
         self.host_tokens = 0
         # nodes that left the device (to the host tier or dropped), had their SWA side freed, came back
         self.evictions = self.tombstones = self.loadbacks = 0
+        self.path_counts = dict.fromkeys(PREFIX_CACHE_PATHS, 0)  # runtime/mem_cache/paths.py
 
     # ---- sizes -------------------------------------------------------------------------------------------
     def evictable(self) -> tuple[int, int]:
@@ -130,6 +132,7 @@ class RadixCache:
                 break
             path = path[:restored]  # the pools could not take the rest back: try the shorter prefix
         node = path[-1][0]
+        self.path_counts["prefix_hit"] += 1
         self._lock(node)
         tick = next(self._clock)
         for n, _, _ in path:
@@ -208,6 +211,7 @@ class RadixCache:
                 self._account(node, +1)
                 restored += 1
             if restored:
+                self.path_counts["restore_from_host"] += 1
                 self.store.register_loadback()
                 self.loadbacks += restored
         finally:
@@ -241,12 +245,15 @@ class RadixCache:
                 child = self._split(child, n)
             part = locs[i:i + n]
             if not child.on_device:  # the tree's copy is on the host: take the device one
+                self.path_counts["insert_replace_host"] += 1
                 tombstone += part[max(swa_from - i, 0):] if i < alive else []
                 self._take(child, part, swa=i >= alive)
             elif replaceable and i >= alive:  # the tree's copy lost its SWA side where the window needs it
+                self.path_counts["insert_replace_tombstoned"] += 1
                 free += child.locs
                 self._take(child, part, swa=True)
             else:
+                self.path_counts["insert_shared"] += 1
                 free += part  # the tree holds these tokens already
             node, i = child, i + n
         if i < end:
@@ -255,6 +262,7 @@ class RadixCache:
                 if alive > i:
                     node = self._new_child(node, ids[i:alive], locs[i:alive], swa=False)
                 node = self._new_child(node, ids[max(i, alive):end], locs[max(i, alive):end], swa=True)
+                self.path_counts["insert_new_node"] += 1
             else:
                 free += locs[i:end]  # no usable prefix would end in it: not worth holding
         if tombstone:
@@ -304,6 +312,7 @@ class RadixCache:
     def _split(self, node: Node, k: int) -> Node:
         """Split `node` after its first k tokens; returns the new upper node (same state, lock, age)."""
         self._account(node, -1)
+        self.path_counts["prefix_split" if node.on_device else "prefix_split_host"] += 1
         upper_host = None
         if not node.on_device:
             upper_host, node.host = node.host.split(k)
@@ -346,6 +355,7 @@ class RadixCache:
     def _evict_swa(self, tokens: int) -> None:
         """Free the SWA side of unlocked device nodes, least recently used first (a leaf goes entirely)."""
         freed = 0
+        self.path_counts["swa_pressure_locked"] += any(n.lock and n.on_device and n.swa for n in self.nodes())
         for node in sorted((n for n in self.nodes() if n.on_device and n.swa and not n.lock),
                            key=lambda n: n.last_access):
             if freed >= tokens:
@@ -353,7 +363,9 @@ class RadixCache:
             if not (node.on_device and node.swa):  # changed by an earlier eviction in this loop
                 continue
             freed += len(node.key)
-            if self._evictable_leaf(node):
+            evict = self._evictable_leaf(node)
+            self.path_counts["swa_pressure_evict" if evict else "swa_pressure_tombstone"] += 1
+            if evict:
                 self._evict(node)
             else:
                 self._tombstone(node)
@@ -381,6 +393,7 @@ class RadixCache:
         if node.swa:
             self.stats.evicted_tokens["swa"] += n
         self._account(node, -1)
+        self.path_counts["evict_drop" if host is None else "evict_to_host"] += 1
         self.store.free(node.locs, "prefix_evict")
         if host is not None:
             node.locs, node.host = None, host
@@ -396,6 +409,7 @@ class RadixCache:
         leaves = sorted((n for n in self.nodes() if not n.on_device and not n.children and not n.lock
                          and not _below(n, keep)), key=lambda n: n.last_access)
         for leaf in leaves:
+            self.path_counts["host_drop"] += 1
             self._remove(leaf)
             if self.store.host_can_hold(tokens):
                 return True

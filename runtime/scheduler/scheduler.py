@@ -26,6 +26,7 @@ from collections import deque
 
 from runtime.config import ResolvedConfig
 from runtime.core import Req, RequestError
+from runtime.mem_cache.paths import SCHEDULER_PATHS
 from runtime.mem_cache.slots import KVSlots, PrefixMatch
 from runtime.scheduler.batch import ScheduledBatch
 
@@ -51,6 +52,7 @@ class Scheduler:
         self.by_rid: dict[str, Req] = {}
         self.holds: dict[Req, PrefixMatch] = {}  # cached prefixes held by running requests (the cache's slots)
         self.speculator = speculator
+        self.path_counts = dict.fromkeys(SCHEDULER_PATHS, 0)  # runtime/mem_cache/paths.py
 
     # ---- requests ----------------------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -177,7 +179,10 @@ class Scheduler:
         cut = min(-(-keep // ps) * ps, len(r.locs))
         if cut < len(r.locs):
             self.slots.free(r.locs[cut:], site="spec_rollback")
-        self.slots.unmap(r.locs[keep:cut], site="spec_rollback")  # on the kept page: held, but no token's now
+            self.path_counts["spec_rollback"] += 1
+        if keep < cut:  # on the kept page: held, but no token's now
+            self.slots.unmap(r.locs[keep:cut], site="spec_rollback")
+            self.path_counts["spec_rollback_page_kept"] += 1
         del r.locs[keep:]
 
     def _append(self, r: Req, t: int, now: float) -> bool:
@@ -226,6 +231,7 @@ class Scheduler:
                     return
                 r.offloaded = None
                 r.locs = locs
+                self.path_counts["loadback"] += 1
                 self.stats.add_hicache_loadbacks(1)
             else:
                 ids = r.all_ids()
@@ -261,6 +267,7 @@ class Scheduler:
             if n <= 0:
                 break
             chosen.append(r)
+            self.path_counts["prefill_chunked"] += r.cached + n < self._prefill_target(r)
             prefix.append(r.cached)
             seq.append(r.cached + n)
             last.append(r.locs[-1] if r.locs else -1)
@@ -287,6 +294,7 @@ class Scheduler:
                 seq = [p + 1 + len(d) for p, d in zip(prefix, drafts)]
                 locs = self.slots.alloc_extend(prefix, seq, last)
                 if locs is not None:
+                    self.path_counts["spec_verify"] += 1
                     return self._batch(reqs, False, prefix, seq, locs, tuple(range(len(reqs))), drafts)
             seq = [p + 1 for p in prefix]
             locs = self.slots.alloc_extend(prefix, seq, last)
@@ -333,6 +341,7 @@ class Scheduler:
             if cut <= r.swa_released_upto:
                 continue
             freed = self.slots.free_swa(r.locs[r.swa_released_upto:cut])
+            self.path_counts["window_release"] += 1
             self.stats.add_evicted_tokens(freed)
             r.swa_released_upto = cut // ps * ps
 
@@ -345,9 +354,11 @@ class Scheduler:
             r.swa_released_upto = swa_from
             self.stats.add_hicache_offloads(1)
             self.stats.record_retraction("offload")
+            self.path_counts["retract_offload"] += 1
         else:
             r.swa_released_upto = 0  # recompute from scratch
             self.stats.record_retraction("recompute")
+            self.path_counts["retract_recompute"] += 1
         if self.tracer is not None:
             self.tracer.request_retracted(r, "offload" if r.offloaded is not None else "recompute")
         self._free_slots(r)
@@ -382,6 +393,9 @@ class Scheduler:
             ids = r.all_ids()[:r.cached]
             self.slots.cache_prefix(ids, r.locs, self.holds.pop(r, None), r.swa_released_upto)
             r.locs = []
+            self.path_counts["finish_cache_prefix"] += 1
+        elif status == "finished" and r.locs:
+            self.path_counts["finish_free"] += 1
         self._free_slots(r)
         if r.offloaded is not None:
             self.slots.drop(r.offloaded)
