@@ -61,7 +61,8 @@ class Workload:
         return EngineConfig(
             model=model, loc_cache=policy, graphs=True, graph_batch_sizes=(1, 2), page_size=1,
             max_total_tokens=full, swa_full_tokens_ratio=0.5, max_running_requests=4,
-            chunked_prefill_size=w + 4, hicache_size=4 * full, seed=self.seed, **changes,
+            chunked_prefill_size=w + 4, hicache_size=4 * full, seed=self.seed,
+            kv_sanitizer=changes.pop("kv_sanitizer", "strict"), **changes,  # every access checked
         )
 
     def prompts(self, lens: tuple[int, ...], salt: int) -> list[list[int]]:
