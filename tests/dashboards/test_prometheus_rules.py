@@ -25,6 +25,7 @@ RUNBOOKS = REPO / "docs" / "runbooks.md"
 EXPECTED_ALERTS = {
     "SWARuntimeStaleLoc",
     "SWARuntimeMissingInvalidation",
+    "SWARuntimeKVOwnershipViolation",
     "SWARuntimeLocKeyCollision",
     "SWARuntimeLocCacheHitRatioLow",
     "SWARuntimeInvalidationStorm",
