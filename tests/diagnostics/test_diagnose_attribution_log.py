@@ -50,6 +50,6 @@ def test_the_mutation_that_made_an_entry_stale_is_named(capsys):
     assert rc == 1
     [rec] = [r for r in records if r["level"] == "warning" and r["event"] == "loc_key_change"]
     assert (rec["policy"], rec["site"], rec["classification"]) == ("layerwise", "kv_write", "stale_loc")
-    assert rec["cause"] == "mapping changed at set_mapping"
+    assert rec["cause"] == "set_mapping wrote 16 rows without invalidating"  # the writer, not the latest mutation
     assert rec["prev_forward_id"] == rec["forward_id"] and rec["prev_site"] == "kv_write"
     assert "set_full_to_swa_mapping" in report["rows"][0]["fix"]
