@@ -70,7 +70,8 @@ def main() -> None:
             engines[mode].step()
             times[mode].append(time.perf_counter() - start)
     off = times["off"]
-    print(f"decode step, {args.model}, batch {args.batch}, prompts of {args.prompt} tokens, {args.rounds} lockstep rounds")
+    print(f"decode step, {args.model}, batch {args.batch}, prompts of {args.prompt} tokens, "
+          f"{args.rounds} lockstep rounds")
     print(f"{'setting':<9}{'median ms':>10}{'ratio to off':>14}{'middle 90%':>20}{'mean, 95% CI':>22}")
     for mode in MODES:
         ratios = sorted(t / o for t, o in zip(times[mode], off))

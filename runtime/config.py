@@ -51,7 +51,8 @@ class EngineConfig:
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.kv_sanitizer not in KV_SANITIZER_MODES:
-            raise ValueError(f"--kv-sanitizer must be one of {', '.join(KV_SANITIZER_MODES)}, got {self.kv_sanitizer!r}")
+            raise ValueError(f"--kv-sanitizer must be one of {', '.join(KV_SANITIZER_MODES)}, "
+                             f"got {self.kv_sanitizer!r}")
         if not 0.0 <= self.loc_cache_verify <= 1.0:
             raise ValueError(f"--loc-cache-verify must be within [0, 1], got {self.loc_cache_verify}")
         if self.page_size < 1:

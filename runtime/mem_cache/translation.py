@@ -356,7 +356,8 @@ class _CachingTranslator(Translator):
         tracked = -1 not in self._guard(loc)[:2]
         if source is not None and _same_counter(source, loc) and tracked:
             return f"verification mismatch ({UNSEEN_WRITE})"
-        return "verification mismatch: the cached translation differs from a fresh gather (the kind of write is unknown)"
+        return ("verification mismatch: the cached translation differs from a fresh gather (the kind of write is "
+                "unknown)")
 
 
 def _silent_write_text(site: str, rows: int) -> str:

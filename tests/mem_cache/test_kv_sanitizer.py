@@ -80,7 +80,8 @@ def real_entries(batch):
 def window_reads_unmapped(engine, batch, meta):
     """A real request's sliding-window keys include the sink: a position whose SWA side is gone."""
     keys = meta.swa
-    return any(bool((keys.indices[keys.indptr_list[b]:keys.indptr_list[b + 1]] == 0).any()) for b in real_entries(batch))
+    ptr = keys.indptr_list
+    return any(bool((keys.indices[ptr[b]:ptr[b + 1]] == 0).any()) for b in real_entries(batch))
 
 
 # ---- 1. graph-replay padding ----------------------------------------------------------------------------------
