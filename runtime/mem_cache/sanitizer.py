@@ -164,20 +164,24 @@ class KVSanitizer(NullSanitizer):
             owners = self._key_owners[id(keys)] = (keys, *self._owners_of(keys))
         _, rows, pos, real = owners
         slots = keys.indices.long().cpu()
+        if real is not None:
+            slots = slots[real]
         if not sliding:
-            self._check_full_read(slots[real], rows, pos)
+            self._check_full_read(slots, rows, pos)
             return
         full_slots = self._table[rows, pos].cpu()  # what the request table says each position is
         if self._check_full_read(full_slots, rows, pos):
-            self._check_swa_read(slots[real], full_slots, rows, pos)
+            self._check_swa_read(slots, full_slots, rows, pos)
 
-    def _owners_of(self, keys) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rows, positions) of the real keys of a key list, and the mask of real keys (not padding)."""
-        indptr = keys.indptr_list
+    def _owners_of(self, keys) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(rows, positions) of the real keys of a key list, and the mask of real keys (None: no padding)."""
+        indptr, req_rows = keys.indptr_list, self._batch.req_rows
         lens = torch.tensor([b - a for a, b in zip(indptr, indptr[1:])])
-        rows = torch.repeat_interleave(torch.tensor(self._batch.req_rows, dtype=torch.int64), lens)
-        first = torch.tensor(keys.start_list, dtype=torch.int64) - torch.tensor(indptr[:-1], dtype=torch.int64)
-        pos = torch.arange(indptr[-1]) + torch.repeat_interleave(first, lens)
+        first = [s - a for s, a in zip(keys.start_list, indptr)]  # position of key i of request b: i + first[b]
+        rows, first = torch.repeat_interleave(torch.tensor([req_rows, first]), lens, dim=1)  # (2, N) -> 2 x (N,)
+        pos = first + torch.arange(indptr[-1])
+        if 0 not in req_rows:
+            return rows, pos, None
         real = rows != 0
         return rows[real], pos[real], real
 
