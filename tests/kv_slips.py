@@ -112,18 +112,22 @@ def backend_caches_swa_write_loc_by_address(mp):
 
 def loadback_compacts_without_hooks(mp, moved: dict):
     """Before the host tier loads a request back (the pools have room), a compaction step moves the newest
-    mapped token to a fresh SWA slot with a plain tensor write: no hooked mutation, no KV copy."""
+    mapped token to a fresh SWA slot with a plain tensor write and frees the old one: no hooked mutation, no
+    KV copy. Once per engine (its host tier); `moved` says which slots, the last time."""
     original = HostKVCache.load_back
 
     def load_back(self, host):
         alloc = self.pool.allocator
-        if not moved:
+        if not getattr(self, "compacted", False):
             mapping = alloc.full_to_swa_index_mapping
             mapped = (mapping[:-1] > 0).nonzero().flatten()
-            page = alloc.swa.alloc(alloc.page_size)
-            if page is not None and mapped.numel():
+            page = alloc.swa.alloc(alloc.page_size) if mapped.numel() else None
+            if page is not None:
+                self.compacted = True
                 f = int(mapped[-1])
+                old = mapping[f:f + 1].clone()
                 mapping[f] = page[0]
+                alloc.swa.free(old)
                 moved.update(full=f, swa=int(page[0]))
         return original(self, host)
 

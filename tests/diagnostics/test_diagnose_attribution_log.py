@@ -23,11 +23,16 @@ def test_each_bug_event_is_one_attributed_json_record_and_repeats_are_counted(ca
     assert rc == 1
     warnings = [r for r in records if r["level"] == "warning" and r["event"] == "loc_key_change"]
     summaries = [r for r in records if r["event"] == "loc_key_change_suppressed"]  # logged at shutdown
+    # the stale translation returned is used: its write lands in a slot the token does not own (the KV sanitizer)
     assert {(r["site"], r["classification"]) for r in warnings} == {("kv_write", "stale_loc"),
-                                                                   ("kv_write", "cross_forward")}
-    assert len(warnings) == 2  # rate-limited: one record per (site, classification) in the run
+                                                                   ("kv_write", "cross_forward"),
+                                                                   ("kv_write", "foreign_slot_write")}
+    assert len(warnings) == 3  # rate-limited: one record per (site, classification) in the run
     rows = {(r["site"], r["classification"]): r for r in report["rows"] if not r["benign"]}
-    for rec in warnings:
+    foreign = next(r for r in warnings if r["classification"] == "foreign_slot_write")
+    assert foreign["pool"] == "swa" and foreign["expected_owner"].startswith("the token at full slot")
+    assert foreign["last_path"] and foreign["slot"] > 0 and foreign["mode"] == "graph_replay"
+    for rec in (r for r in warnings if r is not foreign):
         assert FIELDS <= set(rec) and rec["event"] == "loc_key_change" and rec["policy"] == "memo"
         first = rows[rec["site"], rec["classification"]]["first"]
         # the record is the first occurrence the table shows
