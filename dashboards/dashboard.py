@@ -19,6 +19,7 @@ SCHEMA_VERSION = 41  # classic dashboard model of Grafana 12.0 (the image pinned
 SEL = 'job=~"$job", instance=~"$instance"'
 RATE = "$__rate_interval"
 NON_BENIGN = 'classification!="benign_fresh_tensor"'
+SANITIZER = f'classification=~"{"|".join(n.SANITIZER_CLASSIFICATIONS)}"'  # the KV sanitizer's classes
 USED, TOTAL = 'state="used"', 'state="total"'
 PREFIX_SITES = 'site=~"prefix_.+"'  # the prefix cache's invalidation sites
 
@@ -138,7 +139,8 @@ def invalidation_and_events() -> list[dict[str, Any]]:
         timeseries(
             "Key-change events by classification",
             "Classified key-change events per second. benign_fresh_tensor is expected; view_offset, "
-            "cross_forward, stale_loc and capture_pollution are bugs and alert.",
+            "cross_forward, stale_loc and capture_pollution are bugs and alert, as do the KV sanitizer's "
+            "foreign_slot_write, foreign_slot_read and freed_slot_read.",
             "ops",
             [target(f"sum by (classification) ({rate(events)})", "{{classification}}")],
         ),
@@ -168,6 +170,16 @@ def invalidation_and_events() -> list[dict[str, Any]]:
                     "{{site}} {{classification}}",
                 )
             ],
+        ),
+        timeseries(
+            "KV ownership violations (sanitizer)",
+            "KV sanitizer events per second by site and classification: foreign_slot_write (a KV write into a "
+            "slot its token does not own, e.g. graph padding), foreign_slot_read (attention read a slot of "
+            "another request or position), freed_slot_read (a freed or tombstoned slot read). Any value above "
+            "0 means corrupted outputs: the loc_key_change WARNING log names the slot, its owners and the code "
+            "path that last allocated, freed or moved it (docs/kv-sanitizer.md).",
+            "ops",
+            [target(f"sum by (site, classification) ({rate(events, SANITIZER)})", "{{site}} {{classification}}")],
         ),
         timeseries(
             "Suppressed log events",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field, replace
 from telemetry.names import POLICIES
 
 BACKENDS = ("torch", "triton")
+KV_SANITIZER_MODES = ("off", "sampled", "strict")  # docs/kv-sanitizer.md
 DTYPES = ("auto", "float32", "bfloat16")  # auto: runtime/auto_settings.py
 QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "suffix")  # draft-free speculative decoding (runtime/speculative/)
@@ -26,6 +27,7 @@ class EngineConfig:
     loc_cache: str = "memo"
     loc_cache_guard: bool = True
     loc_cache_verify: float = 0.0
+    kv_sanitizer: str = "sampled"  # KV ownership checks: off, sampled (cheap, default) or strict (every access)
     graphs: bool = True  # graph replay for decode (CUDA graphs on GPU, static-buffer replay on CPU)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     page_size: int = 1
@@ -60,6 +62,9 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.kv_sanitizer not in KV_SANITIZER_MODES:
+            raise ValueError(f"--kv-sanitizer must be one of {', '.join(KV_SANITIZER_MODES)}, "
+                             f"got {self.kv_sanitizer!r}")
         if not 0.0 <= self.loc_cache_verify <= 1.0:
             raise ValueError(f"--loc-cache-verify must be within [0, 1], got {self.loc_cache_verify}")
         if self.page_size < 1:

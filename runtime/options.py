@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.config import BACKENDS, DTYPES, POLICIES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS, EngineConfig
+from runtime.config import (BACKENDS, DTYPES, KV_SANITIZER_MODES, POLICIES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS,
+                            EngineConfig)
 from runtime.faults import FAULTS
 from runtime.tracing import PIP_LINE, check_endpoint
 
@@ -36,6 +37,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--loc-cache-verify", type=float, default=d.loc_cache_verify, metavar="RATE",
                    help="fraction of cache hits recomputed and compared (1: strict, no stale translation "
                         "is ever returned)")
+    g.add_argument("--kv-sanitizer", choices=KV_SANITIZER_MODES, default=d.kv_sanitizer,
+                   help="KV ownership checks (docs/kv-sanitizer.md): sampled (default: every write location, the "
+                        "reads of one forward in 16), strict (every write and read of every forward), off")
     g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
     g.add_argument("--page-size", type=int, default=d.page_size)
     g.add_argument("--kv-cache-memory", type=memory_gib, default=d.kv_cache_memory, metavar="GIB|PCT%",
@@ -131,6 +135,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         model=args.model, dtype=args.dtype, quantization=args.quantization, compile_decode=args.compile_decode,
         attention_backend=args.attention_backend, loc_cache=args.loc_cache,
         loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
+        kv_sanitizer=args.kv_sanitizer,
         graphs=not args.disable_graphs, page_size=args.page_size, max_total_tokens=args.max_total_tokens,
         swa_full_tokens_ratio=args.swa_full_tokens_ratio, max_running_requests=args.max_running_requests,
         kv_cache_memory=args.kv_cache_memory,

@@ -95,10 +95,24 @@ class KeyChangeEvent:
     key: tuple
     prev_key: tuple | None
     stack: str  # caller_stack() summary
+    # KV sanitizer events only (names.SANITIZER_CLASSIFICATIONS): the first wrong slot of the access, its pool,
+    # who should own it and who does, and the code path that last allocated, freed or moved it.
+    slot: int | None = None
+    pool: str | None = None
+    expected_owner: str | None = None
+    actual_owner: str | None = None
+    last_path: str | None = None
 
     def as_dict(self) -> dict:
-        """The event as a flat dict (structured log keys)."""
-        return asdict(self)
+        """The event as a flat dict (structured log keys); the sanitizer's fields only where set."""
+        fields = asdict(self)
+        for name in SANITIZER_FIELDS:
+            if fields[name] is None:
+                del fields[name]
+        return fields
+
+
+SANITIZER_FIELDS = ("slot", "pool", "expected_owner", "actual_owner", "last_path")
 
 
 _LIBRARY_MARKERS = (f"{os.sep}torch{os.sep}", f"{os.sep}contextlib.py")

@@ -67,9 +67,17 @@ CLASSIFICATIONS = (
     "cross_forward",
     "stale_loc",
     "capture_pollution",
+    "foreign_slot_write",
+    "foreign_slot_read",
+    "freed_slot_read",
 )
 # Classifications that mean a bug (alerts fire on these; benign ones are only counted).
-NON_BENIGN_CLASSIFICATIONS = ("view_offset", "cross_forward", "stale_loc", "capture_pollution")
+NON_BENIGN_CLASSIFICATIONS = ("view_offset", "cross_forward", "stale_loc", "capture_pollution",
+                              "foreign_slot_write", "foreign_slot_read", "freed_slot_read")
+# The KV sanitizer's classifications (an ownership ledger of every slot, docs/kv-sanitizer.md): a KV write into
+# a slot its token does not own, an attention read of a slot owned by another request or position, a read of a
+# freed or tombstoned slot.
+SANITIZER_CLASSIFICATIONS = ("foreign_slot_write", "foreign_slot_read", "freed_slot_read")
 # Where a cache gets invalidated: allocator/mapping mutations and engine lifecycle points.
 INVALIDATION_SITES = (
     "alloc",
@@ -88,8 +96,11 @@ INVALIDATION_SITES = (
     "manual",
     OTHER,
 )
-# Where a translation is asked for.
-TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", OTHER)
+# Where an event is found: where a translation is asked for (kv_write, attn_metadata, window_indices), where
+# attention reads keys (kv_read, the sanitizer's read check), and the load-backs whose audit of the mapping
+# before adopting a rebuilt one finds an unhooked write (register_mapping, prefix_loadback).
+TRANSLATE_SITES = ("kv_write", "attn_metadata", "window_indices", "kv_read", "register_mapping", "prefix_loadback",
+                   OTHER)
 FORWARD_MODES = ("eager_extend", "eager_decode", "graph_capture", "graph_replay", "target_verify")
 KV_POOLS = ("full", "swa")
 KV_STATES = ("used", "available", "total")

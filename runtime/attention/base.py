@@ -64,6 +64,7 @@ class AttentionBackend(ABC):
             max_extend_len=max(extend) if extend else 0,
         )
         self.batch = batch
+        self.pool.sanitizer.bind(batch, table)  # the tokens its write and read checks hold the slots against
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) → (T, H, D). Writes k/v first: a token attends to itself."""
@@ -73,6 +74,7 @@ class AttentionBackend(ABC):
                                 swa_loc=meta.swa_out_loc if sliding else None)
         k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
         keys = meta.swa if sliding else meta.full
+        self.pool.sanitizer.check_read(keys, sliding)
         return self.attend(q, k_buf, v_buf, keys, layer)
 
     @abstractmethod

@@ -83,7 +83,10 @@ def _event(record: dict) -> KeyChangeEvent:
         mode=clean(record.get("mode"), 40), prev_site=clean(record.get("prev_site"), 40),
         prev_forward_id=_int(record.get("prev_forward_id")), prev_mode=clean(record.get("prev_mode"), 40),
         cause=clean(record.get("cause"), 1000), key=_key(record.get("key")) or (),
-        prev_key=_key(record.get("prev_key")), stack=clean(record.get("stack")) or "")
+        prev_key=_key(record.get("prev_key")), stack=clean(record.get("stack")) or "",
+        slot=_int(record.get("slot")), pool=clean(record.get("pool"), 10),
+        expected_owner=clean(record.get("expected_owner"), 200), actual_owner=clean(record.get("actual_owner"), 200),
+        last_path=clean(record.get("last_path"), 200))
 
 
 # ---- one report over every input ----------------------------------------------------------------------------

@@ -24,9 +24,27 @@ MUTATION_CODE = {
 }
 
 
+# The KV sanitizer's classes (docs/kv-sanitizer.md): what went wrong, before the path that last moved the slot.
+SANITIZER_FIX = {
+    "foreign_slot_write": "a KV write went to a slot its token does not own (graph padding not reset to the sink, "
+                          "a write location cached outside the translator): fix the code that built the location",
+    "foreign_slot_read": "attention read a slot another request or position owns (a stale request-table row, a "
+                         "mapping moved without the allocator): rewrite the row or move slots through the allocator",
+    "freed_slot_read": "attention read a slot that was freed or tombstoned while still in a window: the release "
+                       "came too early (window eviction, a partial-page free, an evicted locked node)",
+}
+
+
 def _mutation_site(cause: str | None) -> str | None:
+    """The hooked mutation a stale_loc cause names: "<site> wrote N rows (registered a rebuilt mapping) without
+    invalidating" (the writer is known) or "mapping changed at <site>" (the latest mutation)."""
+    if not cause:
+        return None
+    for part in cause.split(";"):
+        if part.strip().endswith("without invalidating"):
+            return part.split()[0]
     marker = "mapping changed at "
-    if cause and marker in cause:
+    if marker in cause:
         return cause.split(marker, 1)[1].split(";")[0].strip()
     return None
 
@@ -47,6 +65,8 @@ def suggest_fix(e: KeyChangeEvent) -> str:
             return (f"the mapping mutation `{site}` ({MUTATION_CODE.get(site, site)}) changed the mapping "
                     "mid-forward without invalidate_loc_cache(): invalidate there")
         return "an in-place write to the location buffer reached the cache without invalidate_loc_cache(): add it there"
+    if c in SANITIZER_FIX:
+        return f"{SANITIZER_FIX[c]}; the slot was last allocated, freed or moved by {e.last_path or 'an unknown path'}"
     if c == "cross_forward":
         return (f"missing forward-entry invalidation: the entry from forward {e.prev_forward_id} ({e.prev_mode}) "
                 f"reached forward {e.forward_id} ({e.mode}); invalidate before the graph/eager branch")

@@ -100,7 +100,8 @@ class Workload:
             page_size=setup.page_size, max_total_tokens=full, swa_full_tokens_ratio=0.5,
             max_running_requests=setup.max_running, chunked_prefill_size=w + 4,
             hicache_size=int(setup.host_tier * full), disable_prefix_caching=not setup.prefix_cache,
-            seed=self.seed, **changes,
+            seed=self.seed,
+            kv_sanitizer=changes.pop("kv_sanitizer", "strict"), **changes,  # every access checked
         )
 
     def prompts(self, lens: tuple[int, ...], salt: int) -> list[list[int]]:

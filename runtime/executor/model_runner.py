@@ -55,7 +55,7 @@ class ModelRunner:
             num_kv_heads=mc.num_key_value_heads, head_dim=mc.head_dim, dtype=getattr(torch, cfg.dtype),
             policy=cfg.loc_cache, device=cfg.device,
             stats=stats.translation if cfg.telemetry else NullTranslationStats(cfg.loc_cache),
-            reporter=reporter if cfg.telemetry else None, faults=faults,
+            reporter=reporter if cfg.telemetry else None, faults=faults, kv_sanitizer=cfg.kv_sanitizer,
             **self._translator_options(faults),
         )
         self.req_to_token = ReqToTokenPool(cfg.max_running_requests, rc.context_length, cfg.device)

@@ -31,6 +31,7 @@ class PagedAllocator:
         self.num_pages = size // page_size
         self.device = torch.device(device)
         self.path_counts = dict.fromkeys(PAGED_ALLOCATOR_PATHS, 0)  # runtime/mem_cache/paths.py
+        self.ledger = None  # the pool's SlotLedger (ownership.py) when the KV sanitizer is on
         self.clear()
 
     # ---- state -------------------------------------------------------------------------------------------
@@ -122,12 +123,16 @@ class PagedAllocator:
         pages = [self._free_pages.popleft() for _ in range(n)]
         for p in pages:
             self._held[p] = 1
+        if self.ledger is not None:
+            self.ledger.taken(pages)
         return pages
 
     def _give_back(self, pages: list[int]) -> None:
         for p in pages:
             self._held[p] = 0
         self._free_pages.extend(pages)
+        if self.ledger is not None:
+            self.ledger.given_back(pages)
 
     def _slots_of_pages(self, pages: list[int]) -> torch.Tensor:
         ps = self.page_size

@@ -19,12 +19,15 @@ import torch
 from runtime.mem_cache.allocator import AllocationError, PagedAllocator, check_locations
 from runtime.mem_cache.mapping_record import MappingRecord
 from runtime.mem_cache.paths import HYBRID_ALLOCATOR_PATHS
+from runtime.mem_cache.ownership import OwnershipLedger
 
 InvalidateHook = Callable[[str], None]
 
 
 class HybridAllocator:
-    def __init__(self, full_size: int, swa_size: int, page_size: int = 1, device: str | torch.device = "cpu"):
+    def __init__(self, full_size: int, swa_size: int, page_size: int = 1, device: str | torch.device = "cpu",
+                 ownership: bool = False):
+        """`ownership`: keep the KV sanitizer's ledger of who owns every slot (`self.ledger`, else None)."""
         self.page_size = page_size
         self.device = torch.device(device)
         self.full = PagedAllocator(full_size, page_size, device)
@@ -36,14 +39,18 @@ class HybridAllocator:
         self.record = MappingRecord(self.full_to_swa_index_mapping)  # what the hooked mutations wrote
         self.mapping_generation = 0  # bumped when a new mapping tensor is registered
         self.last_mutation: str | None = None  # site of the latest mapping mutation, for attributing staleness
+        self.last_mutation_rows = 0  # rows of the mapping it wrote
         self._invalidate_hooks: list[InvalidateHook] = []
         self.path_counts = dict.fromkeys(HYBRID_ALLOCATOR_PATHS, 0)  # runtime/mem_cache/paths.py
+        self.ledger = OwnershipLedger(self.full_rows, self.swa_rows, page_size) if ownership else None
+        if self.ledger is not None:
+            self.full.ledger, self.swa.ledger = self.ledger.full, self.ledger.swa
 
     def add_invalidate_hook(self, hook: InvalidateHook) -> None:
         self._invalidate_hooks.append(hook)
 
-    def _mutated(self, site: str) -> None:
-        self.last_mutation = site
+    def _mutated(self, site: str, rows: int) -> None:
+        self.last_mutation, self.last_mutation_rows = site, rows
         for hook in self._invalidate_hooks:
             hook(site)
 
@@ -106,7 +113,9 @@ class HybridAllocator:
 
     def _map(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
         self.record.write(self.full_to_swa_index_mapping, full_locs, swa_locs)
-        self._mutated("alloc")
+        if self.ledger is not None:
+            self.ledger.mapped(full_locs, swa_locs)
+        self._mutated("alloc", full_locs.numel())
 
     # ---- release -----------------------------------------------------------------------------------------
     def free(self, full_locs: torch.Tensor, site: str = "free") -> None:
@@ -118,7 +127,7 @@ class HybridAllocator:
         self.swa.free(swa_locs)  # validates before touching anything
         self.full.free(full_locs)
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
-        self._mutated(site)
+        self._mutated(site, full_locs.numel())
 
     def free_swa(self, full_locs: torch.Tensor, site: str = "free_swa") -> int:
         """Release only the SWA side of tokens that left the window. Page-rounded: a SWA page is freed only
@@ -142,14 +151,16 @@ class HybridAllocator:
                 return 0
         self.swa.free(swa_locs)
         self.record.write(self.full_to_swa_index_mapping, full_locs, 0)
-        self._mutated(site)
+        self._mutated(site, full_locs.numel())
         return int(swa_locs.numel())
 
     def clear(self) -> None:
         self.full.clear()
         self.swa.clear()
+        if self.ledger is not None:
+            self.ledger.clear()
         self.record.reset(self.full_to_swa_index_mapping)
-        self._mutated("clear")
+        self._mutated("clear", self.full_rows)
 
     # ---- direct mapping edits (host-cache load-back) -----------------------------------------------------
     def set_full_to_swa_mapping(self, full_locs: torch.Tensor, swa_locs: torch.Tensor) -> None:
@@ -159,25 +170,31 @@ class HybridAllocator:
             raise ValueError(f"mapping update shapes differ: {tuple(full_locs.shape)} vs {tuple(swa_locs.shape)}")
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), swa_locs.long())
         self.path_counts["set_mapping"] += 1
-        self._mutated("set_mapping")
+        if self.ledger is not None:
+            self.ledger.mapped(full_locs.long(), swa_locs.long())
+        self._mutated("set_mapping", full_locs.numel())
 
     def clear_swa_mapping(self, full_locs: torch.Tensor, site: str = "clear_swa_mapping") -> None:
         """Unmap tokens whose SWA slots stay held (on a page other tokens still use), e.g. rolled-back draft
         tokens at the end of a request's last page: the page is written again by the next step."""
         check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
         self.record.write(self.full_to_swa_index_mapping, full_locs.long(), 0)
-        self._mutated(site)
+        self._mutated(site, full_locs.numel())
 
     def register_mapping(self, mapping: torch.Tensor, site: str = "register_mapping") -> None:
         """Adopt a rebuilt mapping tensor (host-cache load-back rebuilds it). A new tensor starts a new
         version history, so the generation counter is what tells a guard that the mapping was swapped.
         `site`: the prefix cache's load-back says `prefix_loadback`."""
         self.check_mapping(mapping)
+        if self.ledger is not None:  # the rows the rebuild moves own their new SWA slots; an unhooked write in the
+            # current mapping is no rebuild of this load-back's: the ledger keeps it foreign
+            current = self.full_to_swa_index_mapping
+            self.ledger.remapped(mapping, (mapping[:-1] != current[:-1]).nonzero().flatten())
         self.full_to_swa_index_mapping = mapping
         self.record.adopt(mapping)
         self.mapping_generation += 1
         self.path_counts["register_mapping"] += 1
-        self._mutated(site)
+        self._mutated(site, self.full_rows)
 
     def check_mapping(self, mapping: torch.Tensor) -> None:
         """Raise unless `mapping` could serve as this allocator's full→SWA mapping."""

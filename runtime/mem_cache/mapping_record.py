@@ -25,6 +25,8 @@ import torch
 STRIPE_ROWS = 1 << 12
 
 UNSEEN_MAPPING_WRITE = "a write no version counter sees (numpy, a raw kernel)"
+# A mapping made under inference_mode tracks no version: a content difference says nothing of the kind of write.
+UNKNOWN_MAPPING_WRITE = "written in place (the mapping tracks no version: the kind of write is unknown)"
 
 
 def tensor_version(t: torch.Tensor) -> int:
@@ -55,19 +57,25 @@ class MappingRecord:
         self.tensor = mapping
         self.values = mapping.clone()
         self.version = tensor_version(mapping)
+        self.version_moved = False  # a hooked write found the counter moved by someone else first
         # The latest forward at whose end each stripe was compared; the rows compared by the latest audit.
         self._stripe_checked = [self.last_audit] * -(-mapping.numel() // STRIPE_ROWS)
         self._previous_rows = (torch.empty(0, dtype=torch.int64), 0)
         self._next_stripe = 0
 
     def write(self, mapping: torch.Tensor, full_locs: torch.Tensor, values) -> None:
-        """A hooked mutation: write `values` at `full_locs` into the mapping and into the record."""
+        """A hooked mutation: write `values` at `full_locs` into the mapping and into the record. If the version
+        counter moved since the record's last write, an unhooked torch write came first: remembered, so that the
+        next audit still says so once this write has moved the counter again."""
+        if tensor_version(mapping) != self.version:
+            self.version_moved = True
         mapping[full_locs] = values
         self.values[full_locs] = values
         self.version = tensor_version(mapping)
 
     def reset(self, mapping: torch.Tensor) -> None:
         """A hooked clear: every row unmapped, the sentinel kept."""
+        self.version_moved = False  # whatever was written before is overwritten
         mapping.zero_()
         mapping[-1] = -1
         self.values.zero_()
@@ -78,7 +86,7 @@ class MappingRecord:
         """Constant-time checks: the attribute rebound, or a write that moved the version counter."""
         if mapping is not self.tensor:
             return "the mapping attribute was rebound to another tensor without register_mapping"
-        if tensor_version(mapping) != self.version:
+        if tensor_version(mapping) != self.version or self.version_moved:
             return "written in place (its version counter moved)"
         return None
 
@@ -92,7 +100,7 @@ class MappingRecord:
             if mapping is self.tensor and mapping.shape == self.values.shape:
                 differ = (mapping != self.values).nonzero().flatten()
                 if not differ.numel():  # written in place with what it already held: nothing to report
-                    self.version = tensor_version(mapping)
+                    self.version, self.version_moved = tensor_version(mapping), False
                     return None
                 change += (f"; {differ.numel()} row(s) differ from what the hooked mutations wrote, first at "
                            f"full slot {int(differ[0])}")
@@ -122,7 +130,8 @@ class MappingRecord:
             candidates = torch.cat(candidates).unique()  # ascending
             differ = candidates[mapping[candidates] != self.values[candidates]]
             first = int(differ[0])
-            finding = Finding(f"{UNSEEN_MAPPING_WRITE}; {differ.numel()} row(s) differ from what the hooked "
+            kind = UNSEEN_MAPPING_WRITE if self.version != -1 else UNKNOWN_MAPPING_WRITE
+            finding = Finding(f"{kind}; {differ.numel()} row(s) differ from what the hooked "
                               f"mutations wrote, first at full slot {first}", self._clean_through(first))
             self.values[differ] = mapping[differ]
         if window is not None:
@@ -131,6 +140,19 @@ class MappingRecord:
             self._previous_rows = (rows, forward_id)
         self.last_audit = max(self.last_audit, forward_id)
         return finding
+
+    def audit_whole(self, mapping: torch.Tensor, forward_id: int) -> Finding | None:
+        """Compare every row (a load-back about to adopt a rebuilt mapping: not a hot path). The record is left as
+        it is: the caller adopts next."""
+        if self.unhooked_change(mapping) is not None:
+            return self.audit(mapping, forward_id, stripe=False)
+        differ = (mapping != self.values).nonzero().flatten()
+        if not differ.numel():
+            return None
+        first = int(differ[0])
+        kind = UNSEEN_MAPPING_WRITE if self.version != -1 else UNKNOWN_MAPPING_WRITE
+        return Finding(f"{kind}; {differ.numel()} row(s) differ from what the hooked mutations wrote, first at full "
+                       f"slot {first}", self._clean_through(first))
 
     def _clean_through(self, row: int) -> int:
         """The latest forward at whose end `row` was seen to match: its stripe's last check, or the previous audit

@@ -56,6 +56,9 @@ class KVStore(Protocol):
     def register_loadback(self) -> None:
         """Register the rebuilt mapping after restores (invalidates every derived translation cache)."""
 
+    def to_tree(self, locs: list[int], start: int) -> None:
+        """The tree now holds the full slots `locs` of positions start.. (the KV sanitizer's ownership ledger)."""
+
 
 class Node:
     __slots__ = ("key", "locs", "swa", "host", "parent", "children", "lock", "last_access")
@@ -199,7 +202,7 @@ class RadixCache:
         deepest = path[-1][0]
         self._lock(deepest)  # nothing on the path may be evicted (or dropped from the host) meanwhile
         try:
-            restored = 0
+            restored, starts = 0, {id(node): start for node, start, _ in path}
             for node in host:
                 n = len(node.key)
                 self.make_room(n, n if node.swa else 0)
@@ -209,6 +212,7 @@ class RadixCache:
                 self._account(node, -1)
                 node.locs, node.host = locs, None
                 self._account(node, +1)
+                self.store.to_tree(locs, starts[id(node)])
                 restored += 1
             if restored:
                 self.path_counts["restore_from_host"] += 1
@@ -247,11 +251,11 @@ class RadixCache:
             if not child.on_device:  # the tree's copy is on the host: take the device one
                 self.path_counts["insert_replace_host"] += 1
                 tombstone += part[max(swa_from - i, 0):] if i < alive else []
-                self._take(child, part, swa=i >= alive)
+                self._take(child, part, i, swa=i >= alive)
             elif replaceable and i >= alive:  # the tree's copy lost its SWA side where the window needs it
                 self.path_counts["insert_replace_tombstoned"] += 1
                 free += child.locs
-                self._take(child, part, swa=True)
+                self._take(child, part, i, swa=True)
             else:
                 self.path_counts["insert_shared"] += 1
                 free += part  # the tree holds these tokens already
@@ -260,8 +264,8 @@ class RadixCache:
             if self._covers(self._alive_run(node, i, alive), end):
                 tombstone += locs[max(i, swa_from):max(i, alive)]
                 if alive > i:
-                    node = self._new_child(node, ids[i:alive], locs[i:alive], swa=False)
-                node = self._new_child(node, ids[max(i, alive):end], locs[max(i, alive):end], swa=True)
+                    node = self._new_child(node, ids[i:alive], locs[i:alive], i, swa=False)
+                node = self._new_child(node, ids[max(i, alive):end], locs[max(i, alive):end], max(i, alive), swa=True)
                 self.path_counts["insert_new_node"] += 1
             else:
                 free += locs[i:end]  # no usable prefix would end in it: not worth holding
@@ -294,19 +298,23 @@ class RadixCache:
             n = n.parent
         return run
 
-    def _take(self, node: Node, locs: list[int], swa: bool) -> None:
-        """The node's tokens are now the request's slots `locs` (its old copy was freed or is dropped here)."""
+    def _take(self, node: Node, locs: list[int], start: int, swa: bool) -> None:
+        """The node's tokens (positions start..) are now the request's slots `locs` (its old copy was freed or is
+        dropped here)."""
         self._account(node, -1)
         if not node.on_device:
             self.store.drop(node.host)
             node.host = None
         node.locs, node.swa = list(locs), swa
         self._account(node, +1)
+        self.store.to_tree(node.locs, start)
 
-    def _new_child(self, parent: Node, key: list[int], locs: list[int], swa: bool) -> Node:
+    def _new_child(self, parent: Node, key: list[int], locs: list[int], start: int, swa: bool) -> Node:
+        """A node for positions start.. of a finished request, holding its slots `locs`."""
         node = Node(list(key), list(locs), swa, parent)
         parent.children[tuple(key[:self.page_size])] = node
         self._account(node, +1)
+        self.store.to_tree(node.locs, start)
         return node
 
     def _split(self, node: Node, k: int) -> Node:

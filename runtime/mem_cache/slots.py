@@ -58,6 +58,21 @@ class KVSlots:
         locs = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
         return None if locs is None else locs.tolist()
 
+    # ---- ownership (the KV sanitizer's ledger; nothing to do without it) -----------------------------------
+    def claim(self, locs: list[int], rows: list[int], positions: list[int], labels: dict[int, str]) -> None:
+        """Hand slots to requests: `locs[i]` holds position `positions[i]` of the request in table row
+        `rows[i]` (`labels`: row -> request id, for the logs). One ledger update for the whole batch."""
+        ledger = self.allocator.ledger
+        if ledger is not None and locs:
+            ledger.claim(torch.tensor(locs, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
+                         torch.tensor(positions, dtype=torch.int64), labels)
+
+    def to_tree(self, locs: list[int], start: int) -> None:
+        """The prefix cache now holds the full slots of positions start.. (`locs`)."""
+        ledger = self.allocator.ledger
+        if ledger is not None and locs:
+            ledger.to_tree(torch.tensor(locs, dtype=torch.int64), start)
+
     def free(self, locs: list[int], site: str = "free") -> None:
         if locs:
             self.allocator.free(torch.tensor(locs, dtype=torch.int64), site=site)

@@ -15,13 +15,15 @@ import torch
 from runtime.faults import Faults
 from runtime.mem_cache.hybrid import HybridAllocator
 from runtime.mem_cache.kv_pool import KVPool
+from runtime.mem_cache.sanitizer import KVSanitizer, NullSanitizer
 from runtime.mem_cache.translation import Translator
 
 
 class HybridKVPool:
     def __init__(self, allocator: HybridAllocator, layer_is_swa: list[bool], num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, translator: Translator, device: str | torch.device = "cpu",
-                 faults: Faults = Faults()):
+                 faults: Faults = Faults(), sanitizer: NullSanitizer = NullSanitizer()):
+        """`sanitizer`: the KV ownership checks (a `KVSanitizer` over `allocator.ledger`), off by default."""
         self.allocator = allocator
         self.layer_is_swa = list(layer_is_swa)
         full_layers = [i for i, s in enumerate(layer_is_swa) if not s]
@@ -37,6 +39,7 @@ class HybridKVPool:
             self._route[layer] = (self.swa_pool, local, True)
         self.translator = translator
         self.faults = faults
+        self.sanitizer = sanitizer
         allocator.add_invalidate_hook(self._on_mapping_mutation)
 
     # ---- the forward in progress -------------------------------------------------------------------------
@@ -47,9 +50,11 @@ class HybridKVPool:
         if not self.faults.skips_invalidation(site, mode):
             self.translator.invalidate(site)
         self.translator.begin_forward(forward_id, mode)
+        self.sanitizer.begin_forward(forward_id, mode)
 
     def end_forward(self) -> None:
         self.translator.end_forward()
+        self.sanitizer.end_forward()
 
     # ---- routing -----------------------------------------------------------------------------------------
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,8 +69,10 @@ class HybridKVPool:
         if is_swa:
             if swa_loc is None:
                 swa_loc = self.translator.translate(loc, "kv_write", local)
+            self.sanitizer.check_write(loc, swa_loc)
             pool.set_kv(local, swa_loc, k, v)
         else:
+            self.sanitizer.check_write(loc, None)
             pool.set_kv(local, loc, k, v)
 
     # ---- translation -------------------------------------------------------------------------------------
@@ -76,11 +83,15 @@ class HybridKVPool:
         self.translator.invalidate(site)
 
     def register_mapping(self, mapping: torch.Tensor, site: str = "register_mapping") -> None:
+        """Adopt a rebuilt mapping (a load-back at `site`), after auditing the current one: no laundering."""
+        self.translator.audit_before_register(site)
         self.allocator.register_mapping(mapping, site=site)
 
     def _on_mapping_mutation(self, site: str) -> None:
         if not self.faults.skips_invalidation(site):
             self.translator.invalidate(site)
+        else:  # the fault switch: the write happened, its invalidation did not; the guard names the writer
+            self.translator.note_silent_write(site, self.allocator.last_mutation_rows)
 
     # ---- sizes -------------------------------------------------------------------------------------------
     def bytes_per_token(self) -> tuple[int, int]:
@@ -90,12 +101,16 @@ class HybridKVPool:
 
 def build_hybrid_kv_pool(*, full_size: int, swa_size: int, page_size: int, layer_is_swa: list[bool],
                          num_kv_heads: int, head_dim: int, dtype: torch.dtype, policy: str, stats, reporter,
-                         device: str | torch.device = "cpu", faults: Faults = Faults(),
+                         device: str | torch.device = "cpu", faults: Faults = Faults(), kv_sanitizer: str = "off",
                          **translator_options) -> HybridKVPool:
     """Allocator, translator and pool wired together. `stats` is the engine's TranslationStats; `faults` the
-    `--inject` switches (the memo's own come in `translator_options`)."""
+    `--inject` switches (the memo's own come in `translator_options`); `kv_sanitizer` off, sampled or strict
+    (off without a reporter: its events could not be counted)."""
     from runtime.mem_cache.translation import make_translator
 
-    allocator = HybridAllocator(full_size, swa_size, page_size, device)
+    sanitize = kv_sanitizer != "off" and reporter is not None
+    allocator = HybridAllocator(full_size, swa_size, page_size, device, ownership=sanitize)
     translator = make_translator(policy, allocator, stats, reporter, **translator_options)
-    return HybridKVPool(allocator, layer_is_swa, num_kv_heads, head_dim, dtype, translator, device, faults)
+    sanitizer = KVSanitizer(allocator.ledger, reporter, policy, kv_sanitizer) if sanitize else NullSanitizer()
+    return HybridKVPool(allocator, layer_is_swa, num_kv_heads, head_dim, dtype, translator, device, faults,
+                        sanitizer)

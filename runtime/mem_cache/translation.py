@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from runtime.faults import REGISTER_SITES
 from runtime.mem_cache.mapping_record import Finding, MappingRecord, tensor_version
 from telemetry.events import KeyChangeEvent, LookupFacts, caller_stack, classify_lookup
 from telemetry.stats import TranslationStats
@@ -50,6 +51,7 @@ class _Entry:
     mapping: torch.Tensor  # the mapping tensor the value was gathered from
     filler: weakref.ref | None  # the tensor that filled it (memo); None when the key is not an address
     owner: weakref.ref | None  # what owns its memory: the filler's base tensor if it is a view, else the filler
+    source: weakref.ref  # the tensor that filled it, whatever the policy: to say what kind of write moved it
 
 
 class MappingSource(Protocol):
@@ -79,9 +81,14 @@ class Translator:
         # the end-of-forward audit must compare. Copies, not the tensors: holding a temporary would keep its
         # address from being handed out again, and address reuse is one of the bugs the guard reports.
         self._translated: dict[tuple[int, int, int], torch.Tensor] = {}  # (address, length, version) -> copy
+        self.last_forward = (0, "none")  # the latest forward begun (id, mode): what a load-back follows
+        # Hooked mutations whose invalidation did not reach this translator (the skip-alloc-invalidation fault):
+        # site -> rows written since the last invalidation or fill, so that the guard names the writer.
+        self._silent_writes: dict[str, int] = {}
 
     def begin_forward(self, forward_id: int, mode: str) -> None:
         self.forward_id, self.mode = forward_id, mode
+        self.last_forward = (forward_id, mode)
 
     def end_forward(self) -> None:
         """The forward is over: any mapping write outside the hooked mutations is reported now."""
@@ -115,6 +122,27 @@ class Translator:
         self._report("stale_loc", site or self._last_site, entry, (), self.unhooked_cause(finding))
         return True
 
+    def audit_before_register(self, site: str) -> None:
+        """A load-back (`site`) is about to adopt a rebuilt mapping: an unhooked write in the current one, made
+        since the last audit, would be adopted with it and never counted. So the whole mapping is compared with
+        the record first and a difference reported, with the latest forward and the load-back that found it."""
+        if self.reporter is None:
+            return
+        src = self.source
+        forward_id, mode = self.last_forward
+        finding = src.record.audit_whole(src.full_to_swa_index_mapping, forward_id)
+        if finding is None:
+            return
+        where = f"after forward {finding.clean_through} ended" if finding.clean_through else "since start-up"
+        during = "during" if self.forward_id else "after"
+        cause = (f"mapping changed outside every hooked mutation: {finding.change}; written {where}, found by the "
+                 f"load-back at {site} {during} forward {forward_id} ({mode}) before adopting its rebuilt mapping; "
+                 f"last hooked mutation: {src.last_mutation or 'none'}")
+        self.reporter.report(KeyChangeEvent(
+            policy=self.policy, site=site, classification="stale_loc", forward_id=forward_id, mode=mode,
+            prev_site=None, prev_forward_id=None, prev_mode=None, cause=cause, key=(), prev_key=None,
+            stack=caller_stack(skip=1)))
+
     def unhooked_cause(self, finding: Finding) -> str:
         where = f"after forward {finding.clean_through} ended" if finding.clean_through else "since start-up"
         return (f"mapping changed outside every hooked mutation: {finding.change}; written {where}, by forward "
@@ -127,6 +155,11 @@ class Translator:
 
     def invalidate(self, site: str) -> None:
         self.stats.invalidation(site)
+        self._silent_writes.clear()
+
+    def note_silent_write(self, site: str, rows: int) -> None:
+        """A hooked mapping mutation at `site` wrote `rows` rows but its invalidation was skipped."""
+        self._silent_writes[site] = self._silent_writes.get(site, 0) + rows
 
     def gather(self, loc: torch.Tensor, checked: bool = False) -> torch.Tensor:
         """One gather through the mapping; int32 out. The only place translations are executed."""
@@ -189,7 +222,7 @@ class _CachingTranslator(Translator):
         self._invalidated_since_fill = False
 
     def invalidate(self, site: str) -> None:
-        self.stats.invalidation(site)
+        super().invalidate(site)
         if self._entry is not None:
             self._entry = None
             self._invalidated_since_fill = True
@@ -216,7 +249,7 @@ class _CachingTranslator(Translator):
             parts.append("address reuse: the tensor that filled the entry was freed and another tensor of the "
                          "same length now sits at its address")
         elif not torch.equal(loc, entry.snapshot):
-            parts.append("loc buffer rewritten in place" + ("" if entry.guard[0] != guard[0] else f" by {UNSEEN_WRITE}"))
+            parts.append(self._rewrite_cause(entry, loc, guard))
         elif entry.guard[0] != guard[0]:
             parts.append("loc buffer rewritten in place")
         src = self.source
@@ -226,9 +259,24 @@ class _CachingTranslator(Translator):
                 finding = src.record.audit(src.full_to_swa_index_mapping, self.forward_id, stripe=False)
             if finding is not None:
                 parts.append(self.unhooked_cause(finding))
+            elif self._silent_writes:  # name the mutation that wrote, not merely the latest one
+                parts += [_silent_write_text(site, rows) for site, rows in self._silent_writes.items()]
             else:
                 parts.append(f"mapping changed at {src.last_mutation or 'unknown site'}")
         return "; ".join(parts) or "unknown"
+
+    @staticmethod
+    def _rewrite_cause(entry: _Entry, loc: torch.Tensor, guard: tuple) -> str:
+        """The location tensor's contents differ from the fill's: say what kind of write, only when it is known
+        (the version counter of the very memory that filled the entry, and one that is tracked)."""
+        source = entry.source()
+        if source is None or not _same_counter(source, loc):
+            return "another location tensor, with other contents, took the entry's key (the kind of write is unknown)"
+        if guard[0] == -1:
+            return "loc buffer rewritten in place (it tracks no version: the kind of write is unknown)"
+        if entry.guard[0] != guard[0]:
+            return "loc buffer rewritten in place"
+        return f"loc buffer rewritten in place by {UNSEEN_WRITE}"
 
     def _fill(self, loc: torch.Tensor, key: tuple, view: tuple, guard: tuple, site: str,
               filler: weakref.ref | None) -> torch.Tensor:
@@ -238,8 +286,9 @@ class _CachingTranslator(Translator):
             base = loc._base
             owner = weakref.ref(loc if base is None else base)
         self._entry = _Entry(key, view, guard, value, self.forward_id, self.mode, site, loc.clone(),
-                             self.source.full_to_swa_index_mapping, filler, owner)
+                             self.source.full_to_swa_index_mapping, filler, owner, weakref.ref(loc))
         self._invalidated_since_fill = False
+        self._silent_writes.clear()  # the value was gathered from the mapping as it is now
         return value
 
     def _lookup(self, loc: torch.Tensor, site: str, key: tuple, view: tuple, filler: weakref.ref | None) -> torch.Tensor:
@@ -290,7 +339,7 @@ class _CachingTranslator(Translator):
                 fresh = self.gather(loc)
                 if not torch.equal(fresh, entry.value):
                     if not self.check_mapping_ownership(site, entry, rows=self._rows_of(loc), stripe=False):
-                        self._report("stale_loc", site, entry, entry.key, f"verification mismatch ({UNSEEN_WRITE})")
+                        self._report("stale_loc", site, entry, entry.key, self._mismatch_cause(entry, loc))
                     self.stats.miss(mode, "stale_guard")
                     # The repair is a fresh fill: the entry now belongs to this forward.
                     self._fill(loc, entry.key, entry.view, self._guard(loc), site,
@@ -298,6 +347,28 @@ class _CachingTranslator(Translator):
                     return self._entry.value
         self.stats.hit(mode)
         return entry.value
+
+
+    def _mismatch_cause(self, entry: _Entry, loc: torch.Tensor) -> str:
+        """A sampled verification found the cached value wrong while the guard held: the versions did not move,
+        which says "unseen by version counters" only if they are tracked and are the filling tensor's."""
+        source = entry.source()
+        tracked = -1 not in self._guard(loc)[:2]
+        if source is not None and _same_counter(source, loc) and tracked:
+            return f"verification mismatch ({UNSEEN_WRITE})"
+        return ("verification mismatch: the cached translation differs from a fresh gather (the kind of write is "
+                "unknown)")
+
+
+def _silent_write_text(site: str, rows: int) -> str:
+    if site in REGISTER_SITES:
+        return f"{site} registered a rebuilt mapping without invalidating"
+    return f"{site} wrote {rows} row{'s' if rows != 1 else ''} without invalidating"
+
+
+def _same_counter(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors share one version counter (the same tensor, or views of one base)."""
+    return (a if a._base is None else a._base) is (b if b._base is None else b._base)
 
 
 class MemoTranslator(_CachingTranslator):

@@ -224,7 +224,8 @@ class Scheduler:
     def _admit(self) -> None:
         while self.waiting and len(self.running) < self.max_running and self.free_rows:
             r = self.waiting[0]
-            if r.offloaded is not None:
+            loaded = r.offloaded is not None
+            if loaded:
                 # with room for a decode step after it: else it would be retracted again at once
                 locs = self.slots.load_back(r.offloaded, headroom=self.slots.page_size)
                 if locs is None:
@@ -251,6 +252,8 @@ class Scheduler:
                     if match is not None:
                         self.stats.prefix_cache.record_lookup(len(r.prompt_ids), cached)
             r.row, r.row_fresh = self.free_rows.pop(0), True
+            if loaded:  # new slots for every position, all its own
+                self.slots.claim(r.locs, [r.row] * len(r.locs), list(range(len(r.locs))), {r.row: r.rid})
             r.status = "running"
             self.waiting.popleft()
             self.running.append(r)
@@ -317,11 +320,14 @@ class Scheduler:
                sample: tuple[int, ...], drafts: tuple[tuple[int, ...], ...] = ()) -> ScheduledBatch:
         """Record the new slots on each request (its one record of them) and describe the forward."""
         fresh = tuple(r.row_fresh for r in reqs)
-        offset = 0
+        offset, rows, positions = 0, [], []
         for r, p, s in zip(reqs, prefix, seq):
             r.locs.extend(locs[offset:offset + s - p])
             offset += s - p
             r.row_fresh = False
+            rows += [r.row] * (s - p)
+            positions += range(p, s)
+        self.slots.claim(list(locs), rows, positions, {r.row: r.rid for r in reqs})  # each new slot to its token
         return ScheduledBatch(tuple(reqs), is_decode, tuple(prefix), tuple(seq), tuple(locs), sample, fresh, drafts)
 
     # ---- slots -------------------------------------------------------------------------------------------

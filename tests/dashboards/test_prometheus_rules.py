@@ -27,6 +27,7 @@ RUNBOOK_BASE = "{{ $externalLabels.runbook_base }}"
 EXPECTED_ALERTS = {
     "SWARuntimeStaleLoc",
     "SWARuntimeMissingInvalidation",
+    "SWARuntimeKVOwnershipViolation",
     "SWARuntimeLocKeyCollision",
     "SWARuntimeLocCacheHitRatioLow",
     "SWARuntimeInvalidationStorm",

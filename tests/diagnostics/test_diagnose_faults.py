@@ -39,7 +39,7 @@ EXPECTED = {
     },
     "skip-register-mapping-invalidation": {
         policy: {("kv_write", "stale_loc"): ("midforward_remap", "graph_replay", "graph_replay",
-                                             "mapping changed at register_mapping")}
+                                             "register_mapping registered a rebuilt mapping without invalidating")}
         for policy in ("memo", "layerwise")
     },
     "storage-pointer-key": {
@@ -48,7 +48,7 @@ EXPECTED = {
     "window-buffer-pollution": {},
     "skip-alloc-invalidation": {
         policy: {("kv_write", "stale_loc"): ("midforward_remap", "graph_replay", "graph_replay",
-                                             "mapping changed at set_mapping")}
+                                             "set_mapping wrote 16 rows without invalidating")}
         for policy in ("memo", "layerwise")
     },
 }

@@ -135,7 +135,7 @@ def test_a_mapping_mutation_that_skips_invalidation_is_caught_by_the_guard(make_
         out = pool.translate_loc_from_full_to_swa(loc, "kv_write")
     assert int(out[0]) == 16
     (event,) = pool.reporter.first_events()
-    assert event.classification == "stale_loc" and event.cause == "mapping changed at set_mapping"
+    assert event.classification == "stale_loc" and event.cause == "set_mapping wrote 1 row without invalidating"
 
 
 def test_raw_writes_invisible_to_versions_are_caught_by_sampled_verification(make_pool):
@@ -240,7 +240,8 @@ def test_layerwise_sees_a_different_tensor_at_a_later_layer_through_the_contents
         assert torch.equal(out, fresh(pool, b if expect_fresh else a))
         assert events(pool) == {("kv_write", "stale_loc"): 1}
         (event,) = pool.reporter.first_events()
-        assert event.cause.startswith("loc buffer rewritten in place by a write no version counter sees")
+        # nothing wrote `a`: another tensor took the key, and its version counter says nothing of `a`'s
+        assert event.cause.startswith("another location tensor, with other contents, took the entry's key")
 
 
 @pytest.mark.parametrize("skip_invalidation, expected_events", [
@@ -492,3 +493,71 @@ def test_a_write_that_moves_the_version_counter_is_compared_whole_at_once(make_p
     assert event.forward_id == 1
     assert "written in place (its version counter moved); 2 row(s) differ" in event.cause, event.cause
     assert "first at full slot 5" in event.cause
+
+
+# ---- no laundering by a load-back; the kind of write only when it is known (issue 21) ---------------------------
+@pytest.mark.parametrize("write, kind", [
+    (_torch_write, "written in place (its version counter moved)"),
+    (_numpy_write, "a write no version counter sees"),
+])
+@pytest.mark.parametrize("site", ["register_mapping", "prefix_loadback"])
+def test_a_load_back_audits_the_mapping_before_adopting_a_rebuilt_one(make_pool, write, kind, site):
+    """Between forwards (after the last audit) an unhooked write, then a load-back registers a rebuilt mapping
+    made from the current one: without the audit the write would be adopted and never counted."""
+    pool = make_pool()
+    loc = pool.allocator.alloc(4)
+    moved = pool.allocator.swa.alloc(1)
+    with fwd(pool, 3):
+        pool.translate_loc_from_full_to_swa(loc, "kv_write")
+    assert events(pool) == {}
+    write(pool.allocator, loc[:1], moved)
+    pool.register_mapping(pool.allocator.full_to_swa_index_mapping.clone(), site=site)
+    assert events(pool) == {(site, "stale_loc"): 1}
+    (event,) = pool.reporter.first_events()
+    assert event.cause.startswith(f"mapping changed outside every hooked mutation: {kind}"), event.cause
+    assert f"first at full slot {int(loc[0])}" in event.cause and "written after forward 3 ended" in event.cause
+    assert f"found by the load-back at {site} after forward 3 (eager_extend)" in event.cause
+    assert (event.forward_id, event.mode) == (3, "eager_extend")
+    with fwd(pool, 4):  # adopted once reported: nothing more
+        pool.translate_loc_from_full_to_swa(loc, "kv_write")
+    assert events(pool) == {(site, "stale_loc"): 1}
+
+
+def test_a_clean_load_back_counts_nothing(make_pool):
+    pool = make_pool()
+    loc = pool.allocator.alloc(4)
+    with fwd(pool, 1):
+        pool.translate_loc_from_full_to_swa(loc, "kv_write")
+    pool.register_mapping(pool.allocator.full_to_swa_index_mapping.clone())
+    assert events(pool) == {}
+
+
+def test_a_torch_write_later_covered_by_a_hooked_write_is_still_said_to_move_the_counter(make_pool):
+    """A hooked mutation after an unhooked torch write takes the version counter as its own; the record
+    remembers that the counter had moved, so the write is not described as one no counter sees."""
+    pool = make_pool()
+    loc = pool.allocator.alloc(4)
+    moved = pool.allocator.swa.alloc(1)
+    _torch_write(pool.allocator, loc[:1], moved)
+    pool.allocator.alloc(2)  # a hooked write: moves the counter again
+    with fwd(pool, 2):
+        pool.translate_loc_from_full_to_swa(loc, "kv_write")
+    (event,) = pool.reporter.first_events()
+    assert event.cause.startswith("mapping changed outside every hooked mutation: written in place (its version "
+                                  "counter moved); 1 row(s) differ"), event.cause
+
+
+def test_a_location_tensor_that_tracks_no_version_is_not_said_to_be_written_by_numpy(make_pool):
+    with torch.inference_mode():
+        made = torch.zeros(4, dtype=torch.int64)  # tracks no version
+    pool = make_pool()
+    locs = pool.allocator.alloc(8)
+    with torch.inference_mode():
+        made.copy_(locs[:4])
+    with fwd(pool, 1):
+        pool.translate_loc_from_full_to_swa(made, "kv_write")
+        with torch.inference_mode():
+            made.copy_(locs[4:])  # an ordinary torch write: no counter to see it
+        pool.translate_loc_from_full_to_swa(made, "kv_write")
+    (event,) = pool.reporter.first_events()
+    assert event.cause == "loc buffer rewritten in place (it tracks no version: the kind of write is unknown)"

@@ -112,3 +112,20 @@ def test_drafts_back_off_where_nothing_is_accepted():
     s = e.stats.spec
     assert s.accepted_tokens["ngram"] == 0 and 0 < e.stats.forward_counts["target_verify"] <= 8
     e.scheduler.assert_idle_clean()
+
+
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_the_strict_kv_sanitizer_sees_no_foreign_or_freed_slot(algorithm, page_size):
+    """Verify, rollback (inside and across pages), retraction to the host tier and prefix hits, every KV write
+    and attention read checked against the ownership ledger: no violation, no other bug-class event."""
+    from telemetry.names import NON_BENIGN_CLASSIFICATIONS
+
+    tight = dict(max_total_tokens=256, swa_full_tokens_ratio=0.5, hicache_size=4096, chunked_prefill_size=32)
+    e = engine(page_size=page_size, speculative_algorithm=algorithm, kv_sanitizer="strict", **tight)
+    e.generate(PROMPTS + [p[:-3] for p in PROMPTS], SamplingParams(max_new_tokens=24, ignore_eos=True))
+    e.scheduler.assert_idle_clean()
+    assert e.stats.forward_counts["target_verify"] > 0 and e.stats.hicache_offloads > 0
+    assert e.stats.translation.invalidation_counts["spec_rollback"] > 0
+    events = {k: n for k, n in e.stats.translation.key_change_counts.items() if n and k[1] in NON_BENIGN_CLASSIFICATIONS}
+    assert events == {}
