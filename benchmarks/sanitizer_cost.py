@@ -51,7 +51,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg, model = load_model(args.model, progress=False)
+    defaults = EngineConfig(model=args.model).concrete()  # the defaults on this CPU (--dtype/--quantization auto)
+    cfg, model = load_model(args.model, dtype=getattr(torch, defaults.dtype), quantization=defaults.quantization,
+                            progress=False)
     tokenizer = load_tokenizer(args.model)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(4, min(cfg.vocab_size, 30000), (args.prompt,), generator=gen).tolist()
