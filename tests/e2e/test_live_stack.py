@@ -44,7 +44,8 @@ def get(url: str, timeout: float = 5.0) -> bytes:
 def start_runtime(tmp: Path, *inject: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "runtime", "serve", "--model", "tiny", "--port", str(port),
-           "--max-total-tokens", "512", "--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "32"]
+           "--max-total-tokens", "512", "--swa-full-tokens-ratio", "0.5", "--chunked-prefill-size", "32",
+           "--speculative-algorithm", "ngram"]  # so that the dashboard's speculative panels have data too
     for name in inject:
         cmd += ["--inject", name]
     log = (tmp / f"runtime-{port}.log").open("w")
