@@ -102,8 +102,8 @@ def test_int8_model_loads_checkpoint_names_and_stays_close_to_float32(dtype):
 
 
 def test_config_and_model_know_the_same_weight_formats():
-    assert QUANTIZATIONS == tuple(WEIGHT_FORMATS)
-    with pytest.raises(ValueError, match="--quantization must be one of none, int8, int8-head"):
+    assert QUANTIZATIONS == ("auto", *WEIGHT_FORMATS)  # auto: resolved to one of them (runtime/auto_settings.py)
+    with pytest.raises(ValueError, match="--quantization must be one of auto, none, int8, int8-head"):
         EngineConfig(quantization="int4")
     with pytest.raises(ValueError, match="quantization must be one of"):
         build_model(Gemma3Config.tiny(), {}, quantization="fp8")
