@@ -62,8 +62,7 @@ class HostKVCache:
         layers from position `swa_from` on, whose tokens must all be mapped."""
         full = torch.tensor(locs, dtype=torch.int64)
         swa = self.pool.allocator.full_to_swa_index_mapping[full[swa_from:]]
-        if bool((swa <= 0).any()):
-            raise RuntimeError("offload: an in-window token has no SWA slot")
+        swa = self.pool.sanitizer.check_host_copy(full[swa_from:], swa, swa_from)  # each in-window token mapped
         full_k, full_v = self.pool.full_pool.copy_to_host(full)
         swa_k, swa_v = self.pool.swa_pool.copy_to_host(swa)
         host = HostKV(num_tokens=len(locs), swa_from=swa_from, full_k=full_k, full_v=full_v, swa_k=swa_k, swa_v=swa_v)

@@ -47,6 +47,12 @@ class NullSanitizer:
 
     def check_read(self, keys, sliding: bool) -> None: ...
 
+    def check_host_copy(self, full: torch.Tensor, swa: torch.Tensor, first_pos: int) -> torch.Tensor:
+        """Off: an in-window token without an SWA slot stops the copy, as it always did."""
+        if bool((swa <= 0).any()):
+            raise RuntimeError("offload: an in-window token has no SWA slot")
+        return swa
+
 
 class KVSanitizer(NullSanitizer):
     def __init__(self, ledger: OwnershipLedger, reporter, policy: str, mode: str = "sampled",
@@ -88,8 +94,10 @@ class KVSanitizer(NullSanitizer):
         """The batch whose tokens the next writes and reads belong to (from the backend's metadata init)."""
         self._unbind()
         self._batch, self._table = batch, table
-        extend = torch.tensor(batch.extend_lens)
-        self._rows = torch.repeat_interleave(torch.tensor(batch.req_rows, dtype=torch.int64), extend)
+        rows = torch.tensor(batch.req_rows, dtype=torch.int64)
+        if not batch.is_decode:  # a decode token per request needs no repeat (the common, hot case)
+            rows = torch.repeat_interleave(rows, torch.tensor(batch.extend_lens))
+        self._rows = rows
         self._pos = batch.positions.long().cpu()
 
     # ---- writes -------------------------------------------------------------------------------------------
@@ -222,6 +230,25 @@ class KVSanitizer(NullSanitizer):
                 else:
                     actual, path = self.ledger.owner_text("swa", slot), self.ledger.path_text("swa", slot)
                 self._report("kv_read", classification, "swa", slot, expected, int(which.sum()), actual, path)
+
+    # ---- copies to the host tier ---------------------------------------------------------------------------
+    def check_host_copy(self, full: torch.Tensor, swa: torch.Tensor, first_pos: int) -> torch.Tensor:
+        """An offload reads the SWA side of every in-window token (`full` its full slots, `swa` the mapping's
+        entries, positions from `first_pos` on). One whose SWA slot was freed while still in the window is a
+        `freed_slot_read` at `kv_read` (every mode: offloads are rare), and the copy takes the sink in its
+        place, so the engine goes on and the event says which code path freed it."""
+        unmapped = swa <= 0
+        if not bool(unmapped.any()):
+            return swa
+        i = int(unmapped.nonzero()[0])
+        full_slot = int(full[i])
+        row = int(self.ledger.full.owner[full_slot])
+        whose = self.ledger.request_text(row) if row > 0 else self.ledger.owner_text("full", full_slot)
+        self._report("kv_read", "freed_slot_read", "swa", 0,
+                     f"the token at full slot {full_slot} ({whose} position {first_pos + i}), copied to the host tier",
+                     int(unmapped.sum()), "the sink: the token's SWA side was freed or tombstoned",
+                     self.ledger.path_text("full", full_slot, side=True))
+        return swa.clamp(min=0)
 
     # ---- events -------------------------------------------------------------------------------------------
     def _report(self, site: str, classification: str, pool: str, slot: int, expected: str, count: int,

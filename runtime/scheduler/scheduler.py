@@ -333,10 +333,12 @@ class Scheduler:
     # ---- slots -------------------------------------------------------------------------------------------
     def _release_window(self, reqs) -> None:
         """Give back SWA slots of tokens no future query can see (position <= cached - window), or, with the
-        prefix cache, that it will not keep."""
+        prefix cache, that it will not keep. One release for the whole batch (one allocator call, one ledger
+        update, one invalidation), not one per request: requests' pages are disjoint, so page rounding holds."""
         if self.window is None:
             return
         ps = self.slots.page_size
+        leaving: list[int] = []
         for r in reqs:
             if r.done:
                 continue
@@ -346,10 +348,11 @@ class Scheduler:
                 cut = self.slots.tree.keep_from(r.cached // ps * ps)
             if cut <= r.swa_released_upto:
                 continue
-            freed = self.slots.free_swa(r.locs[r.swa_released_upto:cut])
+            leaving += r.locs[r.swa_released_upto:cut]
             self.path_counts["window_release"] += 1
-            self.stats.add_evicted_tokens(freed)
             r.swa_released_upto = cut // ps * ps
+        if leaving:
+            self.stats.add_evicted_tokens(self.slots.free_swa(leaving))
 
     def _retract(self, r: Req) -> None:
         """Take a running request's KV off the device: to host memory if it fits, else drop it."""

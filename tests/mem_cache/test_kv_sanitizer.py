@@ -149,6 +149,38 @@ def test_swa_released_inside_a_window_is_a_freed_read_in_the_first_forward_that_
     assert freed_by in event.last_path, event.last_path
 
 
+def free_last_swa_side_then_offload(e):
+    """A decoding request's newest token loses its SWA slot (freed by a plain call here, still in the window),
+    then the host tier copies the request: what the offload of a retraction does."""
+    r = Req(PROMPTS[4], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    e.scheduler.add(r)
+    while len(r.output_ids) < 3:
+        e.step()
+    freed_at = e.runner.last_forward_id
+    e.scheduler.slots.free_swa(r.locs[-1:])
+    swa_from = e.scheduler._window_start(r)
+    return r, freed_at, e.scheduler.slots.offload(r.locs, swa_from)
+
+
+def test_an_offload_of_a_token_whose_swa_side_was_freed_is_a_freed_read_and_the_engine_goes_on():
+    e = engine(disable_prefix_caching=True, kv_sanitizer="sampled")  # offloads are checked in every mode
+    r, freed_at, host = free_last_swa_side_then_offload(e)
+    assert set(bad_events(e)) == {("kv_read", "freed_slot_read")}
+    event = first_event(e, "kv_read", "freed_slot_read")
+    assert event.pool == "swa" and event.slot == 0 and "copied to the host tier" in event.expected_owner
+    assert f"position {len(r.locs) - 1}" in event.expected_owner and f"(row {r.row})" in event.expected_owner
+    assert "free_last_swa_side_then_offload via KVSlots.free_swa" in event.last_path, event.last_path
+    assert f"(forward {freed_at})" in event.last_path
+    assert host.num_tokens == len(r.locs)  # the copy was made (the sink's row for the lost token)
+    e.scheduler.slots.drop(host)
+
+
+def test_without_the_sanitizer_an_offload_of_an_unmapped_window_token_still_stops():
+    e = engine(disable_prefix_caching=True, kv_sanitizer="off")
+    with pytest.raises(RuntimeError, match="in-window token has no SWA slot"):
+        free_last_swa_side_then_offload(e)
+
+
 def test_evicting_a_locked_prefix_node_is_a_bad_read_naming_the_eviction(monkeypatch):
     evicted: set = set()
     locked_nodes_evictable(monkeypatch, evicted)
