@@ -116,6 +116,9 @@ class OwnershipLedger:
         self.paths: list[str] = ["start-up"]
         self._codes: dict[str, int] = {"start-up": 0}
         self.row_labels: dict[int, str] = {}  # request-table row -> the request id that holds it
+        # request-table row -> the full slots of positions 0..n-1 it reads from the prefix cache, as the cache's
+        # match gave them (not as the request table says): a cache slot read by a request must be one of these
+        self.shared: dict[int, torch.Tensor] = {}
         self.full = SlotLedger("full", full_rows, page_size, self)
         self.swa = SlotLedger("swa", swa_rows, page_size, self)
 
@@ -154,6 +157,14 @@ class OwnershipLedger:
         if labels:
             self.row_labels.update(labels)
         self.full.set(locs, rows, positions, self.stamp())
+
+    def share(self, row: int, locs: torch.Tensor) -> None:
+        """The request admitted in table row `row` reads the prefix cache's slots `locs` at positions 0..n-1
+        (its prefix match; empty: none)."""
+        if locs.numel():
+            self.shared[row] = locs
+        else:
+            self.shared.pop(row, None)
 
     def to_tree(self, locs: torch.Tensor, start: int) -> None:
         """Full slots of positions start.. now held by the prefix cache."""

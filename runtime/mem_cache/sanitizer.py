@@ -196,7 +196,11 @@ class KVSanitizer(NullSanitizer):
     def _check_full_read(self, slots: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> bool:
         full = self.ledger.full
         owner = full.owner[slots]
-        ok = ((owner == rows) | (owner == TREE)) & (full.pos[slots] == pos)
+        at_pos = full.pos[slots] == pos
+        cached = (owner == TREE) & at_pos
+        ok = ((owner == rows) & at_pos) | cached
+        if bool(cached.any()):  # a prefix-cache slot: the one the request's own prefix match gave it
+            ok[cached] = self._matched(slots[cached], rows[cached], pos[cached])
         if bool(ok.all()):
             return True
         bad = (~ok).nonzero().flatten()
@@ -209,6 +213,18 @@ class KVSanitizer(NullSanitizer):
                              f"{self.ledger.request_text(int(rows[i]))} position {int(pos[i])}", int(which.sum()),
                              self.ledger.owner_text("full", slot), self.ledger.path_text("full", slot))
         return False
+
+    def _matched(self, slots: torch.Tensor, rows: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Per key: the cache slot read at (row, position) is the one the row's prefix match holds there."""
+        ok = torch.zeros(slots.shape, dtype=torch.bool)
+        for row in rows.unique().tolist():
+            shared = self.ledger.shared.get(row)
+            if shared is None:
+                continue
+            sel = (rows == row).nonzero().flatten()
+            inside = sel[pos[sel] < shared.numel()]
+            ok[inside] = shared[pos[inside]] == slots[inside]
+        return ok
 
     def _check_swa_read(self, swa: torch.Tensor, full_slots: torch.Tensor, rows: torch.Tensor,
                         pos: torch.Tensor) -> None:

@@ -67,6 +67,12 @@ class KVSlots:
             ledger.claim(torch.tensor(locs, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
                          torch.tensor(positions, dtype=torch.int64), labels)
 
+    def share(self, row: int, locs: list[int]) -> None:
+        """The request in table row `row` reads the cached prefix `locs` (its match; [] for none)."""
+        ledger = self.allocator.ledger
+        if ledger is not None:
+            ledger.share(row, torch.tensor(locs, dtype=torch.int64))
+
     def to_tree(self, locs: list[int], start: int) -> None:
         """The prefix cache now holds the full slots of positions start.. (`locs`)."""
         ledger = self.allocator.ledger

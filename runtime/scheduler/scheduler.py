@@ -254,6 +254,7 @@ class Scheduler:
             r.row, r.row_fresh = self.free_rows.pop(0), True
             if loaded:  # new slots for every position, all its own
                 self.slots.claim(r.locs, [r.row] * len(r.locs), list(range(len(r.locs))), {r.row: r.rid})
+            self.slots.share(r.row, [] if loaded or not cached else list(match.locs))  # the cache slots it reads
             r.status = "running"
             self.waiting.popleft()
             self.running.append(r)

@@ -130,6 +130,26 @@ def test_a_row_not_rewritten_after_a_load_back_reads_slots_the_request_no_longer
     assert any("Scheduler." in x.last_path for x in firsts)
 
 
+def test_a_stale_row_holding_another_cached_prefix_is_a_foreign_read_though_the_cache_owns_that_position(
+        monkeypatch):
+    """A row reused without being rewritten still lists the previous request's slots, which the prefix cache
+    took when it finished: the cache owns them at the very positions read, so only the new request's own
+    prefix match says they are not its."""
+    e = engine(max_running_requests=1, graph_batch_sizes=(1,))  # one row: every request gets row 1
+    params = SamplingParams(max_new_tokens=2, ignore_eos=True)
+    e.generate([PROMPTS[4][:24]], params)  # the prefix the last request will match
+    e.generate([PROMPTS[2]], params)  # 23 other tokens, then cached: row 1 lists its slots, now the cache's
+    assert bad_events(e) == {}
+    fresh_rows_not_rewritten(monkeypatch)
+    e.generate([PROMPTS[4][:24] + PROMPTS[0]], params)  # matches the first prefix; row 1 keeps the second's
+    assert e.stats.prefix_cache.hit_tokens > 0
+    assert set(bad_events(e)) == {("kv_read", "foreign_slot_read")}
+    event = first_event(e, "kv_read", "foreign_slot_read")
+    assert event.pool == "full" and event.actual_owner.startswith("the prefix cache, position")
+    assert event.actual_owner.split()[-1] == event.expected_owner.split()[-1]  # the same position: only the match differs
+    assert "RadixCache." in event.last_path and "KVSlots.to_tree" in event.last_path, event.last_path  # the cache took it
+
+
 # ---- 3. SWA freed while still in a window ---------------------------------------------------------------------
 @pytest.mark.parametrize("slip, page_size, freed_by", [
     (window_released_one_token_early, 1, "_release_window via KVSlots.free_swa"),  # the patched scheduler method
