@@ -349,9 +349,12 @@ def speculation_sides(args) -> dict[str, list[str]]:
 
     from runtime.options import engine_argv
 
-    algorithm = args.speculative_algorithm if args.speculative_algorithm != "none" else "ngram"
     return {side: engine_argv(Namespace(**vars(args) | {"speculative_algorithm": value}))
-            for side, value in (("off", "none"), ("on", algorithm))}
+            for side, value in (("off", "none"), ("on", _on_algorithm(args)))}
+
+
+def _on_algorithm(args) -> str:
+    return args.speculative_algorithm if args.speculative_algorithm != "none" else "ngram"
 
 
 def run_compare_speculation(args, cfg) -> int:
@@ -401,10 +404,13 @@ def _ratio(row: dict[str, Wave]) -> float:
 
 
 def format_compare_report(rows: list[dict[str, Wave]], args, workload: str, on_args: list[str]) -> str:
+    lookup = (f", prompt lookup of the last {args.prompt_lookup_max}..{args.prompt_lookup_min} tokens"
+              if _on_algorithm(args) == "ngram" else "")
     lines = [f"swa-runtime bench --serve --compare-speculation: {workload}; {args.gen_len} new tokens, greedy, "
              "EOS ignored; requests per level = max(concurrency, --min-requests)",
-             f"speculation on: {' '.join(on_args)}; off: the same without speculation. Both servers run "
-             "throughout, taking turns (request by request at c=1, wave by wave above)", "",
+             f"speculation on: {_on_algorithm(args)}, at most {args.num_speculative_tokens} draft tokens"
+             f"{lookup} (server options: {' '.join(on_args)}); off: the same without speculation. Both servers "
+             "run throughout, taking turns (request by request at c=1, wave by wave above)", "",
              f"{'c':>4}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}{'drafted':>9}{'accepted':>10}"
              f"{ACCEPTANCE_HEADER}{'ITL p50 off':>13}{'on':>7}{'TTFT p50 off':>14}{'on':>7}   (ms)"]
     for r in rows:

@@ -3,13 +3,15 @@
 - `standard`: `--prompt-len` token ids drawn uniformly from the regular vocabulary (`bench.synthetic_prompts`),
   different at each concurrency level: nothing in them to copy.
 - `copy`: a code-editing request whose answer copies most of its prompt: "Rewrite the following code,
-  renaming `a_b` to `aB`." above a passage of this runtime's own source (the Python files of the installed
-  `runtime` package), then the start of the answer. The file, the first line and the identifier are drawn
-  with a RNG seeded by `--seed` and the level's request count (as the standard prompts are); the passage is
-  as many whole lines as keep the prompt within `--prompt-len` tokens. A greedy model continues by copying
-  the passage (gemma3-270m, a base model, copies it verbatim, without the renaming), which is what prompt
-  lookup drafts. The prompts follow the source: a commit that edits the files drawn changes them, so
-  compare speculation on and off within one run (`--compare-speculation`), not across commits.
+  renaming `a_b` to `aB`; keep everything else ... exactly as it is." above a passage of this runtime's own
+  source (the Python files of the installed `runtime` package), then the start of the answer ("The same
+  code with `a_b` renamed to `aB`, everything else as it was:"). The file, the first line and the identifier
+  are drawn with a RNG seeded by `--seed` and the level's request count (as the standard prompts are); the
+  passage is as many whole lines as keep the prompt within `--prompt-len` tokens. A greedy model continues by
+  copying the passage, which is what prompt lookup drafts (gemma3-270m, a base model, copies most of it,
+  mostly without the renaming, now and then dropping a comment). The prompts follow the source: a commit
+  that edits the files drawn changes them, so compare speculation on and off within one run
+  (`--compare-speculation`), not across commits.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ class Workload:
     name: str
     prompts: dict[int, list[list[int]]]  # per concurrency level: the requests sent
     warmup: list[int]  # a prompt of its own: warming up on a measured one would leave it in the prefix cache
-    sources: dict[int, list[str]] = field(default_factory=dict)  # copy: per level, each prompt's passage
+    sources: dict[int, list[str]] = field(default_factory=dict)  # copy: per level, each prompt's lines
 
     def describe(self) -> str:
         lengths = [len(p) for ps in self.prompts.values() for p in ps]
@@ -80,9 +82,18 @@ def source_files() -> list[tuple[str, list[str]]]:
 
 
 def frame(passage: str, old: str | None, new: str | None) -> str:
-    edit = f"renaming `{old}` to `{new}`" if old else "changing nothing"
-    return (f"Rewrite the following code, {edit}.\n\n```python\n{passage}\n```\n\n"
-            "Rewritten code:\n\n```python\n")
+    """The request around `passage`, renaming `old` to `new` (None: repeating it), and the start of the answer.
+    Tried on gemma3-270m (8 prompts, 64 new tokens, ngram, 4 draft tokens): saying twice that everything else
+    stays as it is got 82% of the draft tokens accepted, 4.2 tokens per verify; "Rewrite the following code,
+    renaming ..." then "Rewritten code:" 69% and 3.7 (the model dropped comments and wandered off)."""
+    if old:
+        ask = (f"Rewrite the following code, renaming `{old}` to `{new}`; keep everything else, comments and "
+               "blank lines included, exactly as it is.")
+        answer = f"The same code with `{old}` renamed to `{new}`, everything else as it was:"
+    else:
+        ask = "Repeat the following code exactly as it is, comments and blank lines included."
+        answer = "The same code, everything as it was:"
+    return f"{ask}\n\n```python\n{passage}\n```\n\n{answer}\n\n```python\n"
 
 
 def copy_prompts(n: int, prompt_len: int, encode, seed: str) -> list[CopyPrompt]:
