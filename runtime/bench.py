@@ -32,6 +32,7 @@ from runtime.memory_bound import decode_weight_bytes, read_bandwidth
 from runtime.models.loader import load_model, random_state_dict
 from runtime.models.registry import resolve_model
 from runtime.models.tokenizer import load_tokenizer
+from runtime.spec_counts import SpecCounts
 
 FIRST_REGULAR_ID = 4  # ids 0..3 are pad, eos, bos, unk in Gemma's vocabulary and in the tiny byte tokenizer
 WARMUP_PROMPT_LEN = 16
@@ -45,6 +46,7 @@ class RunResult:
     decode_seconds: float | None  # from "every request has its first token" to the end
     kv_used: dict | None = None  # ours only: allocator usage at the end of prefill
     recomputed_tokens: int = 0  # ours only: prefill tokens beyond the prompts (a retracted request redone)
+    speculation: dict | None = None  # ours only, speculating: the acceptance over the run (`SpecCounts.as_dict`)
 
 
 # ---- prompts -----------------------------------------------------------------------------------------
@@ -83,7 +85,7 @@ class EngineProbe:
         self.kv_used: dict | None = None
 
     def after_step(self, batch, forward_seconds: float) -> None:
-        if batch.is_decode:
+        if batch.is_decode or batch.is_verify:  # a verify forward (speculation) is a decode step with drafts
             self.decode_steps.append(forward_seconds)
         else:
             self.prefill_tokens += batch.num_tokens
@@ -103,13 +105,17 @@ def probed_engine(cfg: EngineConfig, model, tokenizer) -> EngineProbe:
 def run_ours(probe: EngineProbe, prompts: list[list[int]], gen_len: int, bar: tqdm | None = None) -> RunResult:
     probe.reset()
     probe.on_tokens = bar.update if bar is not None else None
+    spec_before = SpecCounts.from_stats(probe.engine.stats.spec)
     start = time.perf_counter()
     outputs = probe.engine.generate(prompts, SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
     end = time.perf_counter()
     probe.on_tokens = None
     decode_seconds = None if probe.prefill_end is None else end - probe.prefill_end
+    speculation = None
+    if probe.engine.cfg.speculative_algorithm != "none":
+        speculation = (SpecCounts.from_stats(probe.engine.stats.spec) - spec_before).as_dict()
     return RunResult(outputs, end - start, decode_seconds, probe.kv_used,
-                     probe.prefill_tokens - sum(len(p) for p in prompts))
+                     probe.prefill_tokens - sum(len(p) for p in prompts), speculation)
 
 
 # ---- transformers ----------------------------------------------------------------------------------------
@@ -192,7 +198,8 @@ def throughput_row(batch: int, gen_len: int, ours: RunResult, theirs: RunResult 
         decode = decode_tokens / run.decode_seconds if decode_tokens and run.decode_seconds else None
         return tokens / run.seconds, decode
 
-    row = {"batch": batch, "generated_tokens": tokens, "ours_recomputed_tokens": ours.recomputed_tokens}
+    row = {"batch": batch, "generated_tokens": tokens, "ours_recomputed_tokens": ours.recomputed_tokens,
+           "ours_speculation": ours.speculation}
     row["ours_tok_s"], row["ours_decode_tok_s"] = rates(ours)
     row["hf_tok_s"] = row["hf_decode_tok_s"] = row["ratio"] = row["decode_ratio"] = None
     row["equal_token_fraction"] = row["identical_sequences"] = None
@@ -303,6 +310,10 @@ def format_report(report: dict) -> str:
         lines.append(f"{r['batch']:>5} {_num(r['ours_tok_s'], '.1f', 9)} {_num(r['hf_tok_s'], '.1f', 9)}"
                      f" {_num(r['ratio'], '.2f', 6)} {_num(r['ours_decode_tok_s'], '.1f', 9)}"
                      f" {_num(r['hf_decode_tok_s'], '.1f', 9)} {_num(r['decode_ratio'], '.2f', 6)} {equal:>21}")
+    for r in report["throughput"]:
+        if r["ours_speculation"] is not None:
+            lines.append(f"speculation ({s['speculation']}), batch {r['batch']}: "
+                         f"{SpecCounts.from_dict(r['ours_speculation']).summary()}")
     if recomputed:
         lines.append(f"note: the scheduler retracted requests under pool pressure ({recomputed} prompt tokens "
                      "prefilled again); raise --max-total-tokens for a clean comparison")
@@ -400,6 +411,8 @@ def run_bench(args, cfg: EngineConfig) -> int:
         "setup": {"model": str(cfg.model), "dtype": cfg.dtype, "quantization": cfg.quantization, "device": cfg.device, "threads": threads,
                   "attention_backend": cfg.attention_backend, "loc_cache": cfg.loc_cache, "graphs": cfg.graphs,
                   "prefix_cache": False,
+                  "speculation": None if cfg.speculative_algorithm == "none" else (
+                      f"{cfg.speculative_algorithm}, {cfg.num_speculative_tokens} draft tokens at most"),
                   "prompt_len": prompt_len, "gen_len": gen_len, "window": window,
                   "full_pool_tokens": probe.engine.resolved.full_pool_size,
                   "swa_pool_tokens": probe.engine.resolved.swa_pool_size,

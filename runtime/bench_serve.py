@@ -7,6 +7,12 @@ OpenAI-compatible server given with `--peer URL`. At concurrency 1 the server al
 with the engine run in this process (what the server adds).
 While one stream runs alone, another client sends a body of `--stall-body-mb` MB: the stream's longest
 inter-token gap over its median says whether the front end stalls the engine. Nothing is asserted on time.
+
+`--workload copy` sends code-editing requests whose answers copy the prompt instead of random ids
+(`runtime/bench_workloads.py`). With speculation on, each row of the engine's gets the acceptance counted
+meanwhile: the change of the server's `/metrics` counters (the offline engine's own) over the level.
+`--compare-speculation` runs two servers instead, speculation off and on, taking turns on the same prompts,
+and prints them side by side with the ratio of their tok/s and the `on` server's acceptance.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from runtime.spec_counts import SpecCounts
+
 HEADERS = {"Content-Type": "application/json"}
 WARMUP_TOKENS = 4
 
@@ -38,10 +46,18 @@ class Wave:
     tokens: int = 0
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
+    spec: dict | None = None  # speculation's acceptance over the wave (`SpecCounts.as_dict`), where it ran
 
     @property
     def tok_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    def add(self, other: Wave) -> None:
+        """Count `other` (requests to the same system, run apart) in this wave."""
+        self.seconds += other.seconds
+        self.tokens += other.tokens
+        self.ttft += other.ttft
+        self.itl += other.itl
 
 
 def _free_port() -> int:
@@ -51,22 +67,38 @@ def _free_port() -> int:
 
 
 def start_server(engine_args: list[str], timeout_s: float = 900.0) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    cmd = [sys.executable, "-m", "runtime", "serve", "--port", str(port), *engine_args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return start_servers([engine_args], timeout_s)[0]
+
+
+def start_servers(engine_args: list[list[str]], timeout_s: float = 900.0) -> list[tuple[subprocess.Popen, str]]:
+    """`swa-runtime serve` with each of `engine_args`, all loading at once; back when every one is healthy."""
+    servers = []
+    for argv in engine_args:
+        port = _free_port()
+        cmd = [sys.executable, "-m", "runtime", "serve", "--port", str(port), *argv]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        servers.append((proc, f"http://127.0.0.1:{port}"))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"swa-runtime serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("swa-runtime serve did not become healthy in time")
+    try:
+        for proc, url in servers:
+            while not _healthy(proc, url):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("swa-runtime serve did not become healthy in time")
+                time.sleep(0.5)
+    except BaseException:
+        for proc, _ in servers:
+            proc.kill()
+        raise
+    return servers
+
+
+def _healthy(proc: subprocess.Popen, url: str) -> bool:
+    if proc.poll() is not None:
+        raise RuntimeError(f"swa-runtime serve exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+    try:
+        return httpx.get(url + "/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -167,17 +199,23 @@ def _paired_c1(url: str, model: str, engine, prompts: list[list[int]], gen_len: 
     from runtime.core import SamplingParams
 
     served, offline = Wave("swa-runtime serve", 1), Wave("offline engine", 1)
+    before = SpecCounts.from_stats(engine.stats.spec)
     for p in prompts:
-        w = asyncio.run(_wave(url, model, [p], 1, gen_len, served.system))
-        served.seconds += w.seconds
-        served.tokens += w.tokens
-        served.ttft += w.ttft
-        served.itl += w.itl
+        served.add(asyncio.run(_wave(url, model, [p], 1, gen_len, served.system)))
         start = time.perf_counter()
         engine.generate([p], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
         offline.seconds += time.perf_counter() - start
         offline.tokens += gen_len
+    if engine.cfg.speculative_algorithm != "none":
+        offline.spec = (SpecCounts.from_stats(engine.stats.spec) - before).as_dict()
     return served, offline
+
+
+def spec_counts(url: str) -> SpecCounts:
+    """The server's speculation counters now (`/metrics`)."""
+    r = httpx.get(url + "/metrics", timeout=60)
+    r.raise_for_status()
+    return SpecCounts.from_metrics(r.text)
 
 
 def _transformers(cfg, dtype: str, prompts: list[list[int]], batch: int, gen_len: int) -> Wave:
@@ -193,17 +231,18 @@ def _transformers(cfg, dtype: str, prompts: list[list[int]], batch: int, gen_len
     return wave
 
 
+def _workload(args, cfg, levels: list[int]):
+    from runtime.bench_workloads import build_workload
+
+    return build_workload(args.workload, {c: max(c, args.min_requests) for c in levels}, args.prompt_len, cfg)
+
+
 def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from runtime.bench import synthetic_prompts
-    from runtime.models.registry import resolve_model
-
     levels = [int(x) for x in args.concurrency.split(",")]
-    source = resolve_model(cfg.model)
-    vocab = 260 if source.kind == "tiny" else 262144
-    prompts = {c: synthetic_prompts(max(c, args.min_requests), args.prompt_len, vocab, 2, cfg.seed) for c in levels}
-    # A prompt of its own: warming up on a measured prompt would leave it in the server's prefix cache.
-    warmup = synthetic_prompts(1, args.prompt_len, vocab, 2, cfg.seed + 1)[0]
+    workload = _workload(args, cfg, levels)
+    prompts, warmup = workload.prompts, workload.warmup
+    speculating = cfg.speculative_algorithm != "none"
     waves: list[Wave] = []
     offline = None
     engine = _offline_engine(cfg, warmup) if 1 in levels else None
@@ -212,12 +251,16 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_wave(url, name, [warmup], 1, WARMUP_TOKENS, "warm-up"))
         for c in levels:
+            before = spec_counts(url) if speculating else None
             if c == 1:
                 served, offline = _paired_c1(url, name, engine, prompts[1], args.gen_len)
-                waves.append(served)
             else:
-                waves.append(asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve")))
-        stall = asyncio.run(_stall(url, name, prompts[1][0], max(args.gen_len, 32), args.stall_body_mb))
+                served = asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve"))
+            if before is not None:
+                served.spec = (spec_counts(url) - before).as_dict()
+            waves.append(served)
+        stall = asyncio.run(_stall(url, name, prompts[1][0] if 1 in prompts else warmup, max(args.gen_len, 32),
+                                   args.stall_body_mb))
     finally:
         stop_server(proc)
     failures = []
@@ -230,16 +273,26 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     del engine
     if offline is not None:
         waves.append(offline)
-    if not args.skip_transformers:
+    if not args.skip_transformers and args.workload == "standard":  # static batches want equal lengths
         for dtype in ("float32", "bfloat16"):
             for c in levels:
                 if c <= args.transformers_max_batch:
                     waves.append(_transformers(cfg, dtype, prompts[c], c, args.gen_len))
-    print("\n".join([format_serve_report(waves, stall, args), *failures]))
+    print("\n".join([format_serve_report(waves, stall, args, workload.describe()), *failures]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"waves": [vars(w) | {"tok_s": w.tok_s} for w in waves], "stall": stall}, f, indent=1)
+            json.dump({"workload": _workload_json(workload), "waves": [_wave_json(w) for w in waves],
+                       "stall": stall}, f, indent=1)
     return 0
+
+
+def _wave_json(w: Wave) -> dict:
+    return vars(w) | {"tok_s": w.tok_s}
+
+
+def _workload_json(workload) -> dict:
+    return {"name": workload.name, "description": workload.describe(), "sources": workload.sources,
+            "prompt_tokens": {c: [len(p) for p in ps] for c, ps in workload.prompts.items()}}
 
 
 def _ms(values: list[float], q: float, width: int, decimals: int) -> str:
@@ -247,16 +300,32 @@ def _ms(values: list[float], q: float, width: int, decimals: int) -> str:
     return f"{_pct(values, q):>{width}.{decimals}f}" if values else f"{'-':>{width}}"
 
 
-def format_serve_report(waves: list[Wave], stall: dict, args) -> str:
-    lines = [f"swa-runtime bench --serve: {args.prompt_len}-token prompts, {args.gen_len} new tokens, greedy, "
-             "EOS ignored; requests per level = max(concurrency, --min-requests)", "",
-             f"{'system':<26}{'c':>4}{'tok/s':>9}{'vs best hf':>11}{'TTFT p50':>10}{'p90':>8}"
-             f"{'ITL p50':>9}{'p90':>7}{'p99':>7}   (ms)"]
+def _acceptance(spec: dict | None) -> str:
+    """The acceptance columns: accepted/drafted draft tokens and mean tokens per verify ("-" where none)."""
+    if not spec or not spec["drafted"]:
+        return f"{'-':>8}{'-':>9}"
+    return f"{spec['rate']:>8.1%}{spec['per_verify']:>9.2f}"
+
+
+ACCEPTANCE_HEADER = f"{'accept':>8}{'tok/vfy':>9}"
+ACCEPTANCE_NOTE = ("accept: draft tokens accepted / proposed; tok/vfy: tokens a request got per verify forward "
+                   "(accepted + 1); both counted by the engine between the start and the end of the level")
+
+
+def format_serve_report(waves: list[Wave], stall: dict, args, workload: str) -> str:
+    speculating = any(w.spec is not None for w in waves)
+    lines = [f"swa-runtime bench --serve: {workload}; {args.gen_len} new tokens, greedy, EOS ignored; requests "
+             "per level = max(concurrency, --min-requests)", "",
+             f"{'system':<26}{'c':>4}{'tok/s':>9}{'vs best hf':>11}{ACCEPTANCE_HEADER if speculating else ''}"
+             f"{'TTFT p50':>10}{'p90':>8}{'ITL p50':>9}{'p90':>7}{'p99':>7}   (ms)"]
     for w in waves:
         hf = [x.tok_s for x in waves if x.system.startswith("transformers") and x.concurrency == w.concurrency]
         ratio = f"{w.tok_s / max(hf):.2f}" if hf else "-"
-        lines.append(f"{w.system:<26}{w.concurrency:>4}{w.tok_s:>9.1f}{ratio:>11}{_ms(w.ttft, .5, 10, 0)}"
+        lines.append(f"{w.system:<26}{w.concurrency:>4}{w.tok_s:>9.1f}{ratio:>11}"
+                     f"{_acceptance(w.spec) if speculating else ''}{_ms(w.ttft, .5, 10, 0)}"
                      f"{_ms(w.ttft, .9, 8, 0)}{_ms(w.itl, .5, 9, 1)}{_ms(w.itl, .9, 7, 1)}{_ms(w.itl, .99, 7, 1)}")
+    if speculating:
+        lines.append(ACCEPTANCE_NOTE)
     served = {w.concurrency: w for w in waves if w.system == "swa-runtime serve"}
     offline = next((w for w in waves if w.system == "offline engine"), None)
     if offline and 1 in served:
@@ -267,4 +336,88 @@ def format_serve_report(waves: list[Wave], stall: dict, args) -> str:
     lines.append(f"a stream's inter-token gaps while another client sent {stall['body_mb']:g} MB (answered "
                  f"{stall['body_status']}): median {stall['median_gap_ms']:.1f} ms, longest "
                  f"{stall['max_gap_ms']:.1f} ms ({stall['max_over_median']:.2f}x the median)")
+    return "\n".join(lines)
+
+
+# ---- speculation on vs off -------------------------------------------------------------------------------
+
+
+def speculation_sides(args) -> dict[str, list[str]]:
+    """The engine options of the two servers `--compare-speculation` starts: the ones given with speculation
+    off, and with it on (the algorithm given, ngram where none was)."""
+    from argparse import Namespace
+
+    from runtime.options import engine_argv
+
+    return {side: engine_argv(Namespace(**vars(args) | {"speculative_algorithm": value}))
+            for side, value in (("off", "none"), ("on", _on_algorithm(args)))}
+
+
+def _on_algorithm(args) -> str:
+    return args.speculative_algorithm if args.speculative_algorithm != "none" else "ngram"
+
+
+def run_compare_speculation(args, cfg) -> int:
+    """Both servers up for the whole run, taking turns on the same prompts at each level: request by request
+    at c=1, wave by wave above, the order alternating (off/on, then on/off), so that load drifting over the
+    run falls on both sides alike; the acceptance is the delta of the `on` server's counters per level."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.peer:
+        raise ValueError("--compare-speculation runs the two servers only; --peer does not apply")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    workload = _workload(args, cfg, levels)
+    sides = speculation_sides(args)
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    rows: list[dict[str, Wave]] = []
+    try:
+        servers = dict(zip(sides, start_servers(list(sides.values()))))
+        urls = {side: url for side, (_, url) in servers.items()}
+        name = httpx.get(urls["off"] + "/v1/models").json()["data"][0]["id"]
+        for url in urls.values():
+            asyncio.run(_wave(url, name, [workload.warmup], 1, WARMUP_TOKENS, "warm-up"))
+        turn = 0
+        for c in levels:
+            prompts = workload.prompts[c]
+            waves = {side: Wave(f"speculation {side}", c) for side in sides}
+            before = {side: spec_counts(url) for side, url in urls.items()}
+            for unit in ([[p] for p in prompts] if c == 1 else [prompts]):
+                for side in (("off", "on"), ("on", "off"))[turn % 2]:
+                    waves[side].add(asyncio.run(_wave(urls[side], name, unit, c, args.gen_len, waves[side].system)))
+                turn += 1
+            for side, url in urls.items():
+                waves[side].spec = (spec_counts(url) - before[side]).as_dict()
+            rows.append(waves)
+    finally:
+        for proc, _ in servers.values():
+            stop_server(proc)
+    print(format_compare_report(rows, args, workload.describe(), sides["on"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"workload": _workload_json(workload), "engine_args": sides,
+                       "levels": [{"concurrency": r["on"].concurrency, "on_over_off": _ratio(r),
+                                   **{side: _wave_json(w) for side, w in r.items()}} for r in rows]}, f, indent=1)
+    return 0
+
+
+def _ratio(row: dict[str, Wave]) -> float:
+    return row["on"].tok_s / row["off"].tok_s if row["off"].tok_s else float("nan")
+
+
+def format_compare_report(rows: list[dict[str, Wave]], args, workload: str, on_args: list[str]) -> str:
+    lookup = (f", prompt lookup of the last {args.prompt_lookup_max}..{args.prompt_lookup_min} tokens"
+              if _on_algorithm(args) == "ngram" else "")
+    lines = [f"swa-runtime bench --serve --compare-speculation: {workload}; {args.gen_len} new tokens, greedy, "
+             "EOS ignored; requests per level = max(concurrency, --min-requests)",
+             f"speculation on: {_on_algorithm(args)}, at most {args.num_speculative_tokens} draft tokens"
+             f"{lookup} (server options: {' '.join(on_args)}); off: the same without speculation. Both servers "
+             "run throughout, taking turns (request by request at c=1, wave by wave above)", "",
+             f"{'c':>4}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}{'drafted':>9}{'accepted':>10}"
+             f"{ACCEPTANCE_HEADER}{'ITL p50 off':>13}{'on':>7}{'TTFT p50 off':>14}{'on':>7}   (ms)"]
+    for r in rows:
+        off, on = r["off"], r["on"]
+        lines.append(f"{on.concurrency:>4}{off.tok_s:>11.1f}{on.tok_s:>10.1f}{_ratio(r):>8.2f}"
+                     f"{on.spec['drafted']:>9.0f}{on.spec['accepted']:>10.0f}{_acceptance(on.spec)}"
+                     f"{_ms(off.itl, .5, 13, 1)}{_ms(on.itl, .5, 7, 1)}"
+                     f"{_ms(off.ttft, .5, 14, 0)}{_ms(on.ttft, .5, 7, 0)}")
+    lines.append(ACCEPTANCE_NOTE)
     return "\n".join(lines)

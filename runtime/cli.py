@@ -16,6 +16,7 @@ import json
 import re
 import sys
 
+from runtime.bench_workloads import WORKLOADS
 from runtime.config import BACKENDS, POLICIES
 from runtime.faults import FAULTS
 from runtime.fleet import add_fleet_args
@@ -79,13 +80,20 @@ def _installed(module: str) -> bool:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    serve_only = [flag for flag, given in (("--workload", args.workload != "standard"),
+                                           ("--compare-speculation", args.compare_speculation)) if given]
+    if serve_only and not args.serve:
+        raise ValueError(f"{' and '.join(serve_only)} {'apply' if len(serve_only) > 1 else 'applies'} to "
+                         "`bench --serve` only: add --serve")
     cfg = engine_config(args)
     announce_settings(cfg)
     if args.serve:
         require_extras("bench --serve")
-        from runtime.bench_serve import run_bench_serve
+        from runtime.bench_serve import run_bench_serve, run_compare_speculation
         from runtime.options import engine_argv
 
+        if args.compare_speculation:
+            return run_compare_speculation(args, cfg)
         return run_bench_serve(args, cfg, engine_argv(args))
     from runtime.bench import run_bench
 
@@ -198,6 +206,14 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--peer-model", default="default", help="the `model` field sent to --peer")
     served.add_argument("--stall-body-mb", type=float, default=4.0, help="body another client sends mid-stream")
     served.add_argument("--transformers-max-batch", type=int, default=8, help="largest static batch for transformers")
+    served.add_argument("--workload", choices=WORKLOADS, default="standard",
+                        help="standard: synthetic token ids, nothing to copy; copy: code-editing requests over "
+                        "passages of the runtime's own source, whose greedy answers copy the passage (no "
+                        "transformers rows: its prompts differ in length)")
+    served.add_argument("--compare-speculation", action="store_true",
+                        help="run two servers, speculation off and on (the --speculative-* options given; "
+                        "ngram where none), taking turns on the same prompts, and print them side by side with "
+                        "the ratio and the acceptance (no peer, offline or transformers rows)")
     bench.set_defaults(func=cmd_bench)
 
     serve = sub.add_parser("serve", help="HTTP server: the OpenAI API (/v1/chat/completions, /v1/completions), "

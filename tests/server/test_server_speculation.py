@@ -33,3 +33,24 @@ def test_speculation_through_the_server_returns_the_same_tokens_and_counts_accep
     assert [t for c in streamed[0] for t in c["output_ids"]] == outputs[0]
     assert metric(metrics, 'swa_runtime_spec_accepted_tokens_total{algorithm="ngram"}') > 0
     assert metric(metrics, 'swa_runtime_forward_total{mode="target_verify"}') > 0
+
+
+def test_the_bench_reads_the_engines_acceptance_from_metrics():
+    """`bench --serve` measures acceptance as the change of the counters in /metrics: the same numbers as the
+    engine's own, and a request's drafts all counted by the time its response is complete."""
+    from runtime.bench_serve import spec_counts
+    from runtime.spec_counts import SpecCounts
+
+    srv = start_server(make_engine(speculative_algorithm="ngram", num_speculative_tokens=4))
+    try:
+        before = spec_counts(srv.url)
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            assert len(client.post("/generate", json=BODY).json()["output_ids"]) == 32
+        after = spec_counts(srv.url)
+        srv.wait_idle_clean()
+        assert after == srv.engine_loop.call(lambda: SpecCounts.from_stats(srv.engine.stats.spec)).result(10)
+    finally:
+        srv.stop()
+    delta = after - before
+    assert 0 < delta.accepted <= delta.drafted and delta.emitted == delta.accepted + delta.verifies
+    assert delta.rate == delta.accepted / delta.drafted and delta.per_verify == delta.emitted / delta.verifies
