@@ -28,7 +28,7 @@ class EngineConfig:
     loc_cache_guard: bool = True
     loc_cache_verify: float = 0.0
     kv_sanitizer: str = "sampled"  # KV ownership checks: off, sampled (cheap, default) or strict (every access)
-    graphs: bool = True  # graph replay for decode (CUDA graphs on GPU, static-buffer replay on CPU)
+    graphs: bool = True  # graph replay for decode and verify (CUDA graphs on GPU, static-buffer replay on CPU)
     graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     page_size: int = 1
     # KV pools: by default sized from a memory budget (GiB of K+V), the SWA pool for the concurrency it must

@@ -77,7 +77,8 @@ class Engine:
         self.reporter = (EventReporter(self.stats, limiter) if self.tracer is None
                          else TracingEventReporter(self.stats, limiter, tracer=self.tracer))
         if progress:
-            announce("allocating the KV pools" + ("; warm-up and decode graph capture" if cfg.graphs else ""))
+            graphs = "decode and verify" if cfg.speculative_algorithm != "none" else "decode"
+            announce("allocating the KV pools" + (f"; warm-up and {graphs} graph capture" if cfg.graphs else ""))
         self.runner = ModelRunner(rc, model, self.stats, self.reporter, Faults.parse(cfg.inject), progress,
                                   tracer=self.tracer)
         self.pool = self.runner.pool

@@ -42,10 +42,11 @@ class Faults:
             raise KeyError(name)
         return name in self.names
 
-    def skips_invalidation(self, site: str, mode: str = "none") -> bool:
-        """Whether a switch removes the invalidation at `site` (for forward entry: of a forward in `mode`)."""
+    def skips_invalidation(self, site: str, replay: bool = False) -> bool:
+        """Whether a switch removes the invalidation at `site` (for forward entry: of a forward that replays
+        static buffers, `replay`, or runs eagerly)."""
         if site == "forward_entry":  # the entry invalidation happens on the eager path only
-            return mode == "graph_replay" and "skip-forward-invalidation" in self
+            return replay and "skip-forward-invalidation" in self
         if site == "graph_capture":
             return "skip-capture-invalidation" in self
         if site in REGISTER_SITES:

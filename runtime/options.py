@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-sanitizer", choices=KV_SANITIZER_MODES, default=d.kv_sanitizer,
                    help="KV ownership checks (docs/kv-sanitizer.md): sampled (default: every write location, the "
                         "reads of one forward in 16), strict (every write and read of every forward), off")
-    g.add_argument("--disable-graphs", action="store_true", help="run decode eagerly (no graph replay)")
+    g.add_argument("--disable-graphs", action="store_true", help="run decode and speculative verify eagerly (no graph replay)")
     g.add_argument("--page-size", type=int, default=d.page_size)
     g.add_argument("--kv-cache-memory", type=memory_gib, default=d.kv_cache_memory, metavar="GIB|PCT%",
                    help="memory for K and V: GiB, or a percentage of the memory available now (e.g. 25%%); the "

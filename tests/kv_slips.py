@@ -8,25 +8,31 @@ import torch
 
 from runtime.attention.base import AttentionBackend
 from runtime.engine import Engine
-from runtime.executor.graph_runner import StaticGraphRunner
+from runtime.executor.graph_runner import StaticGraphRunner, StaticVerifyRunner
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.hybrid import HybridAllocator
 from runtime.mem_cache.radix_cache import RadixCache
 from runtime.scheduler.scheduler import Scheduler
 
 
-def padding_not_reset(mp):
-    """`load` copies the live batch but leaves the padded rows of the static buffers as the last replay left them."""
+def padding_not_reset(mp, runner=StaticGraphRunner):
+    """`load` copies the live batch but leaves the padded tail of the static buffers as the last replay left it.
+    `runner`: the class whose `load` slips (StaticGraphRunner: decode, and verify too, which inherits it)."""
 
     def load(self, batch):
-        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
-        buf, n = self.buffers[bs], batch.batch_size
+        buf = self.buffers[next(b for b in self.batch_sizes if b >= batch.batch_size)]
+        n = batch.num_tokens
         buf.input_ids[:n].copy_(batch.input_ids)
         buf.positions[:n].copy_(batch.positions)
         buf.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        return self._static_batch(buf, batch.req_rows, batch.prefix_lens, batch.seq_lens)
+        return self._static_batch(buf, batch)
 
-    mp.setattr(StaticGraphRunner, "load", load)
+    mp.setattr(runner, "load", load)
+
+
+def verify_padding_not_reset(mp):
+    """The verify graphs' `load` alone leaves the padded tail as the last verify replay left it."""
+    padding_not_reset(mp, StaticVerifyRunner)
 
 
 def fresh_rows_not_rewritten(mp):

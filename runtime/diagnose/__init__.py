@@ -3,11 +3,13 @@ memory path, hold every output against a reference computed without the build's 
 translation-cache events happened, where each stale entry came from, and what to fix.
 
 Per policy the workload runs in one engine per setup (`workload.SETUPS`: page size 1 and 4, prefix cache on
-and off, host tier on and off, a wide setup for graph padding and large eager batches), in these phases:
+and off, host tier on and off, speculative decoding in four, a wide setup for graph padding and large eager
+batches), in these phases:
 
 - `scheduler`: the engine's own loop. Prompts longer than the window, chunked prefill (eager extend), graph
-  capture (at start-up), decode by graph replay and eagerly, window eviction, and pools small enough that
-  decode must retract requests (to the host tier and back, or recomputed without one).
+  capture (at start-up), decode by graph replay and eagerly, speculative verify forwards (replayed and eager)
+  and rollbacks, window eviction, and pools small enough that decode must retract requests (to the host tier
+  and back, or recomputed without one).
 - `prefix_cache`: multi-turn chats whose later turns hit cached prefixes; older ones are evicted, tombstoned,
   sent to the host tier and loaded back, while running requests hold their prefixes locked.
 - `reserved_decode`: decode slots reserved several steps ahead (multi-step scheduling), so consecutive
@@ -21,6 +23,8 @@ and off, host tier on and off, a wide setup for graph padding and large eager ba
   (`set_full_to_swa_mapping`) and once by registering a rebuilt mapping (`register_mapping`). The engine's
   own load-back happens between forwards (and allocates first), where forward-entry and allocation
   invalidations would hide a missing mapping invalidation.
+- `reserved_verify`: verify forwards back to back over slots reserved ahead (only the forward entry
+  invalidates between them): a verify graph filled exactly, padded twice over the same buffers, and eager.
 - `wide_decode`: decode batches padded into a larger graph, and eager batches of twice the largest graph size.
 
 Ground truth is the dense reference (`reference.py`): every request recomputed over its whole token history

@@ -12,10 +12,10 @@ from runtime.mem_cache import paths
 
 def memory_path_counts(engine) -> dict[str, int]:
     """Every declared memory path of `engine`, summed over the components that count it (0 where none
-    exists: no prefix cache, no graphs)."""
-    alloc, tree, graphs = engine.pool.allocator, engine.slots.tree, engine.runner.graphs
+    exists: no prefix cache, no graphs, no speculation)."""
+    alloc, tree, runner = engine.pool.allocator, engine.slots.tree, engine.runner
     parts = [alloc.full.path_counts, alloc.swa.path_counts, alloc.path_counts, engine.scheduler.path_counts,
-             tree.path_counts if tree is not None else {}, graphs.path_counts if graphs is not None else {}]
+             *(part.path_counts for part in (tree, runner.graphs, runner.verify_graphs) if part is not None)]
     total = dict.fromkeys(paths.MEMORY_PATHS, 0)
     for part in parts:
         for name, n in part.items():

@@ -1,5 +1,6 @@
 """Forwards the scheduler never produces, driven straight through the model runner: slots reserved ahead,
-several steps in one forward, a mapping update in the middle of a forward, decode batches of chosen shapes.
+several steps in one forward, a mapping update in the middle of a forward, decode and verify batches of
+chosen shapes.
 Same pools, runner and sampling as the engine; page size 1 or more."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from runtime.core import SamplingParams
 from runtime.engine import Engine
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.layers.sampler import sample
+from runtime.speculative.acceptance import accept_greedy
 
 DRAFT_STEPS = 3  # decode steps inside one forward in the draft_steps phase
 
@@ -87,6 +89,30 @@ class Driver:
             for s, loc in zip(seqs, locs):
                 self.table.write(s.row, len(s.locs), loc.view(1))
         self._record(seqs, self.runner.forward(self._decode_batch(seqs, locs)))
+
+    def verify(self, seqs: list[Seq], drafts: list[list[int]]) -> None:
+        """One speculative verify forward through `ModelRunner.forward` (replayed over the verify graph of its
+        batch size, or eagerly beyond the largest), over reserved slots: each seq's last token and its draft.
+        Greedy acceptance as the engine's; the slots of rejected drafts stay reserved for the positions they
+        were reserved for, so the next verify writes them again and no allocator mutation comes between."""
+        lens = [1 + len(d) for d in drafts]
+        locs = torch.tensor([loc for s, n in zip(seqs, lens) for loc in s.reserved[:n]])
+        prefix = [len(s.locs) for s in seqs]
+        ids = [t for s, d in zip(seqs, drafts) for t in [(s.ids + s.out)[-1], *d]]
+        batch = ForwardBatch(is_decode=False, verify=True, input_ids=torch.tensor(ids),
+                             positions=torch.tensor([p + i for p, n in zip(prefix, lens) for i in range(n)]),
+                             out_cache_loc=locs, req_rows=[s.row for s in seqs], prefix_lens=prefix,
+                             seq_lens=[p + n for p, n in zip(prefix, lens)])
+        logits = self.runner.forward(batch)  # (T, vocab)
+        offset = 0
+        for s, d, n in zip(seqs, drafts, lens):
+            rows = logits[offset:offset + n]
+            offset += n
+            tokens = accept_greedy(d, rows.argmax(-1).tolist())
+            s.out += tokens
+            s.logits += [row.float().clone() for row in rows[:len(tokens)]]
+            s.locs += s.reserved[:len(tokens)]  # the last token's and the accepted drafts' KV is kept
+            del s.reserved[:len(tokens)]
 
     def draft_steps(self, seqs: list[Seq], steps: int) -> None:
         """`steps` decode steps inside one forward: one forward id and one forward-entry invalidation, each

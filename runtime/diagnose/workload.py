@@ -2,7 +2,8 @@
 
 Every setup runs in an engine of its own, under each policy (see the package docstring for the phases):
 page size 1 and 4, prefix cache on and off, host tier on and off, and a wide setup whose decode batches are
-padded into a larger graph or run eagerly at twice the largest graph size.
+padded into a larger graph or run eagerly at twice the largest graph size, and whose verify batches fill
+their graph exactly, are padded, or run eagerly.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from runtime.engine import Engine
 from telemetry.events import KeyChangeEvent
 
 PHASES = ("scheduler", "prefix_cache", "prefix_edits", "reserved_decode", "draft_steps", "midforward_remap",
-          "wide_decode")
+          "reserved_verify", "wide_decode")
 BENIGN = "benign_fresh_tensor"  # the one classification that is not a bug
 LOGIT_ATOL = 1e-5  # two runs of one build are bit-deterministic (one thread, same ops): above is a real difference
 
@@ -45,8 +46,9 @@ SETUPS = (
     Setup("small_host", PHASES[:3], host_tier=0.5),  # the prefix cache fills the host tier
     Setup("no_prefix", PHASES[:2], page_size=4, prefix_cache=False, speculative="suffix"),
     Setup("no_host", PHASES[:3], host_tier=0.0),
-    # batches of 3 replayed in the graph of 4, eager batches of 8 = twice the largest graph size
-    Setup("wide", PHASES[6:], graph_batch_sizes=(1, 2, 4), max_running=8),
+    # batches of 3 replayed in the graph of 4, eager batches of 8 = twice the largest graph size; verify
+    # batches of up to 4 requests replayed, of 5 eager (the verify graphs exist when speculating)
+    Setup("wide", PHASES[6:], graph_batch_sizes=(1, 2, 4), max_running=8, speculative="ngram"),
 )
 
 
@@ -217,6 +219,25 @@ def midforward_remap_phase(engine: Engine, work: Workload, drive: Driver) -> Pha
     return _phase_output(seqs)
 
 
+def reserved_verify_phase(engine: Engine, work: Workload, drive: Driver) -> PhaseOutput:
+    """Verify forwards of every shape the verify graphs treat differently, back to back over slots reserved
+    ahead (only the forward entry invalidates between them): the largest graph filled exactly (every request
+    drafting K tokens), padded (shorter drafts, a request without one, one request alone), and eager (one
+    request more than the largest graph size). The drafts are random tokens: mostly rejected, their slots
+    written again by the next step."""
+    k, n = engine.cfg.num_speculative_tokens, max(engine.cfg.graph_batch_sizes)
+    seqs = drive.admit(work.prompts(work.wide_prompt_lens(n + 1), 7))
+    # the first two replay the same buffers: a replay over a rewritten buffer at the same address
+    steps = [(seqs[:n], [k] * n), (seqs[:n], [k] * (n - 1) + [0]), (seqs[:1], [1]), (seqs, [1] * (n + 1))]
+    drive.reserve(seqs, [sum(1 + lens[i] for batch, lens in steps for i, t in enumerate(batch) if t is s)
+                         for s in seqs])
+    for step, (batch, lens) in enumerate(steps):
+        drive.verify(batch, work.prompts(tuple(lens), 300 + step))
+    drive.release_window(seqs)
+    drive.finish(seqs)
+    return _phase_output(seqs)
+
+
 def wide_decode_phase(engine: Engine, work: Workload, drive: Driver) -> PhaseOutput:
     """Decode batches of every shape the graphs treat differently: all requests at once (eager, at least
     twice the largest graph size), a batch one short of a graph size (replayed padded), exact sizes."""
@@ -231,7 +252,8 @@ def wide_decode_phase(engine: Engine, work: Workload, drive: Driver) -> PhaseOut
 
 PHASE_RUNNERS = {"scheduler": scheduler_phase, "prefix_cache": chat_phase, "prefix_edits": prefix_edits_phase,
                  "reserved_decode": reserved_decode_phase, "draft_steps": draft_steps_phase,
-                 "midforward_remap": midforward_remap_phase, "wide_decode": wide_decode_phase}
+                 "midforward_remap": midforward_remap_phase, "reserved_verify": reserved_verify_phase,
+                 "wide_decode": wide_decode_phase}
 
 
 # ---- one run ------------------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ class ForwardBatch:
     seq_lens: list[int]  # (B,) tokens after this forward
     rids: tuple[str, ...] = ()  # (B,) request ids, for the forward's trace span (empty: not traced)
     verify: bool = False  # a speculative verify: logits at every new token, not only each request's last
+    live: int | None = None  # a padded static batch: its first `live` requests are real, the rest padding
 
     @property
     def batch_size(self) -> int:
@@ -34,10 +35,13 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
 
-    def logit_index(self) -> torch.Tensor | None:
+    def logit_index(self) -> torch.Tensor | slice | None:
         """Rows of the flattened T whose logits the forward returns: each request's last new token, or every
-        token for a verify (None: all rows)."""
-        return None if self.verify else self.last_token_index()
+        token for a verify (None: all rows); of a padded static batch, those of its live requests only."""
+        if self.verify:
+            return None if self.live is None else slice(0, sum(self.extend_lens[:self.live]))
+        index = self.last_token_index()
+        return index if self.live is None else index[:self.live]
 
     def last_token_index(self) -> torch.Tensor:
         """(B,) index of each request's last new token in the flattened T (its logits sample the next)."""

@@ -1,14 +1,21 @@
-"""Static input buffers for decode graphs: capture and replay.
+"""Static input buffers for decode and verify graphs: capture and replay.
 
-On CPU this is a static-buffer replay: each captured batch size owns persistent input buffers (token ids,
+On CPU this is a static-buffer replay: each captured size owns persistent input buffers (token ids,
 positions, write locations) whose addresses never change, and a replay copies the live batch into them and
 runs the model over them. That reproduces the hazard of CUDA graphs that matters here: the translation
 cache sees the same `(data_ptr, numel)` key on every replay while the contents change.
 CUDA graphs proper are not implemented yet (no GPU was available to build and test them).
 
-This class only owns the buffers; the model runner runs the warm-up and capture forwards over
-`capture_batch(bs)` and replays over `load(batch)`. Padded entries point at row 0 of the request table,
-slot 0 of both pools: the sink.
+- `StaticGraphRunner`: decode, one token per request, per captured batch size bs.
+- `StaticVerifyRunner`: speculative verify forwards, per (bs, K): room for bs requests of K + 1 tokens (the
+  last accepted token and up to K drafts). Requests whose drafts are shorter are packed one after another as
+  in the eager batch, so the live tokens are the first ones and the padding is one contiguous tail.
+
+These classes only own the buffers; the model runner runs the warm-up and capture forwards over
+`capture_batch(bs)` and replays over `load(batch)`. The tail after the live tokens is zeroed on every load and
+belongs to padded entries of at most K + 1 tokens each: row 0 of the request table, prefix 0, positions 0,
+write location slot 0 of both pools (the sink), keys read from row 0 (the sink again). A padded entry thus
+writes and reads only the sink, and its logits are never computed (`ForwardBatch.live`).
 """
 
 from __future__ import annotations
@@ -16,25 +23,32 @@ from __future__ import annotations
 import torch
 
 from runtime.executor.forward_batch import ForwardBatch
-from runtime.mem_cache.paths import GRAPH_PATHS
+from runtime.mem_cache.paths import GRAPH_PATHS, VERIFY_PATHS
 
-WARMUP_RUNS = 2  # warm-up forwards before the capture forward, per batch size
+WARMUP_RUNS = 2  # warm-up forwards before the capture forward, per captured size
 
 
 class _StaticBuffers:
-    def __init__(self, bs: int, device):
+    def __init__(self, bs: int, tokens: int, device):
         self.bs = bs
-        self.input_ids = torch.zeros(bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(bs, dtype=torch.int64, device=device)
-        self.out_cache_loc = torch.zeros(bs, dtype=torch.int64, device=device)
+        self.tokens = tokens
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.out_cache_loc = torch.zeros(tokens, dtype=torch.int64, device=device)
 
 
 class StaticGraphRunner:
+    """Decode graphs: one token per request."""
+
+    tokens_per_request = 1
+    paths = GRAPH_PATHS  # runtime/mem_cache/paths.py; the first two: (exact, padded)
+
     def __init__(self, batch_sizes: tuple[int, ...], max_batch: int, device):
         sizes = tuple(bs for bs in sorted(set(batch_sizes)) if bs <= max_batch)
         self.batch_sizes = sizes or (1,)
-        self.buffers = {bs: _StaticBuffers(bs, device) for bs in self.batch_sizes}
-        self.path_counts = dict.fromkeys(GRAPH_PATHS, 0)  # runtime/mem_cache/paths.py
+        w = self.tokens_per_request
+        self.buffers = {bs: _StaticBuffers(bs, bs * w, device) for bs in self.batch_sizes}
+        self.path_counts = dict.fromkeys(self.paths, 0)
 
     @property
     def max_batch_size(self) -> int:
@@ -45,33 +59,51 @@ class StaticGraphRunner:
         return batch.is_decode and batch.batch_size <= self.max_batch_size
 
     def capture_batch(self, bs: int) -> ForwardBatch:
-        """The all-padding batch that warm-up and capture run over."""
-        return self._static_batch(self.buffers[bs], [], [], [])
+        """The all-padding batch that warm-up and capture run over (logits at every entry: full shapes)."""
+        return self._static_batch(self.buffers[bs], None)
 
     def load(self, batch: ForwardBatch) -> ForwardBatch:
-        """Copy a live decode batch into the smallest buffers that hold it; the static batch to replay."""
-        bs = next(b for b in self.batch_sizes if b >= batch.batch_size)
-        buf = self.buffers[bs]
-        n = batch.batch_size
-        self.path_counts["graph_replay_padded" if n < bs else "graph_replay_exact"] += 1
-        # Zero the padded region on every replay so no stale slot survives.
-        buf.input_ids[:n].copy_(batch.input_ids)
-        buf.input_ids[n:].zero_()
-        buf.positions[:n].copy_(batch.positions)
-        buf.positions[n:].zero_()
-        buf.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        buf.out_cache_loc[n:].zero_()
-        return self._static_batch(buf, batch.req_rows, batch.prefix_lens, batch.seq_lens)
+        """Copy a live batch into the smallest buffers that hold it; the static batch to replay."""
+        buf = self.buffers[next(b for b in self.batch_sizes if b >= batch.batch_size)]
+        n = batch.num_tokens
+        self.path_counts[self.paths[1 if n < buf.tokens else 0]] += 1
+        # Zero the padded tail on every replay so no stale slot survives.
+        for static, live in ((buf.input_ids, batch.input_ids), (buf.positions, batch.positions),
+                             (buf.out_cache_loc, batch.out_cache_loc)):
+            static[:n].copy_(live)
+            static[n:].zero_()
+        return self._static_batch(buf, batch)
 
-    @staticmethod
-    def _static_batch(buf: _StaticBuffers, rows, prefix_lens, seq_lens) -> ForwardBatch:
-        pad = buf.bs - len(rows)
+    def _static_batch(self, buf: _StaticBuffers, batch: ForwardBatch | None) -> ForwardBatch:
+        """`batch`'s requests over the buffers, then padded entries (row 0, prefix 0, at most
+        `tokens_per_request` tokens each) for the rest of the tokens; None: padding only."""
+        rows, prefix, seq = ([], [], []) if batch is None else (batch.req_rows, batch.prefix_lens, batch.seq_lens)
+        w = self.tokens_per_request
+        pad = buf.tokens - sum(s - p for p, s in zip(prefix, seq))
+        pad_lens = [w] * (pad // w) + ([pad % w] if pad % w else [])
         return ForwardBatch(
-            is_decode=True,
+            is_decode=w == 1,
             input_ids=buf.input_ids,
             positions=buf.positions,
             out_cache_loc=buf.out_cache_loc,
-            req_rows=list(rows) + [0] * pad,
-            prefix_lens=list(prefix_lens) + [0] * pad,
-            seq_lens=list(seq_lens) + [1] * pad,
+            req_rows=list(rows) + [0] * len(pad_lens),
+            prefix_lens=list(prefix) + [0] * len(pad_lens),
+            seq_lens=list(seq) + pad_lens,
+            verify=w > 1,
+            live=None if batch is None else len(rows),
         )
+
+
+class StaticVerifyRunner(StaticGraphRunner):
+    """Verify graphs: per batch size, room for K + 1 tokens per request (`num_speculative_tokens` = K)."""
+
+    paths = VERIFY_PATHS
+
+    def __init__(self, batch_sizes: tuple[int, ...], max_batch: int, num_speculative_tokens: int, device):
+        self.tokens_per_request = num_speculative_tokens + 1
+        super().__init__(batch_sizes, max_batch, device)
+
+    def can_run(self, batch: ForwardBatch) -> bool:
+        """A verify batch of at most the largest batch size whose drafts are at most K tokens long."""
+        return (batch.verify and 0 < batch.batch_size <= self.max_batch_size
+                and max(batch.extend_lens) <= self.tokens_per_request)

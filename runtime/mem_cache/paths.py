@@ -50,5 +50,9 @@ GRAPH_PATHS = (
     "graph_replay_padded",  # a decode batch replayed in a larger graph: the rest padded to the sink
     "decode_twice_graph_max",  # an eager decode batch of at least twice the largest graph size
 )
+VERIFY_PATHS = (
+    "verify_replay_exact",  # a verify batch filling its (batch size, K) buffers: bs requests, K drafts each
+    "verify_replay_padded",  # fewer requests or shorter drafts: the tail padded to the sink
+)
 MEMORY_PATHS = (*PAGED_ALLOCATOR_PATHS, *HYBRID_ALLOCATOR_PATHS, *PREFIX_CACHE_PATHS, *SCHEDULER_PATHS,
-                *GRAPH_PATHS)
+                *GRAPH_PATHS, *VERIFY_PATHS)

@@ -43,11 +43,12 @@ class HybridKVPool:
         allocator.add_invalidate_hook(self._on_mapping_mutation)
 
     # ---- the forward in progress -------------------------------------------------------------------------
-    def begin_forward(self, forward_id: int, mode: str) -> None:
+    def begin_forward(self, forward_id: int, mode: str, replay: bool = False) -> None:
         """A forward (or a graph warm-up/capture run) starts: no cached translation may survive into it, so
-        the cache is invalidated here, before any layer runs, whichever branch (graph or eager) runs it."""
+        the cache is invalidated here, before any layer runs, whichever branch (a replay over static buffers,
+        `replay`, or eager) runs it."""
         site = "graph_capture" if mode == "graph_capture" else "forward_entry"
-        if not self.faults.skips_invalidation(site, mode):
+        if not self.faults.skips_invalidation(site, replay):
             self.translator.invalidate(site)
         self.translator.begin_forward(forward_id, mode)
         self.sanitizer.begin_forward(forward_id, mode)

@@ -3,11 +3,11 @@ nothing else non-benign; with the guard on the outputs equal the clean run; with
 that can corrupt do (and sampled verification catches them), the others cannot, for the reason stated.
 
 Where the workload's phases matter (see runtime/diagnose/__init__.py):
-- skip-forward-invalidation shows only in `reserved_decode`: in the scheduler phase every forward follows an
-  allocation whose invalidation hook also empties the cache. A replay after an eager forward is
-  `cross_forward` (different tensor); a replay after a replay of the same static buffer is `stale_loc`
-  (the buffer's version moved with `copy_`; rule 5 outranks rule 6). `layerwise` refills at the first sliding
-  layer of every forward, so it is immune.
+- skip-forward-invalidation shows only in `reserved_decode` and `reserved_verify`: in the scheduler phase every
+  forward follows an allocation whose invalidation hook also empties the cache. A replay after an eager
+  forward is `cross_forward` (different tensor); a replay after a replay of the same static buffer is
+  `stale_loc` (the buffer's version moved with `copy_`; rule 5 outranks rule 6). `layerwise` refills at the
+  first sliding layer of every forward, so it is immune.
 - skip-register-mapping-invalidation and skip-alloc-invalidation show only in `midforward_remap`: the
   engine's own load-back runs between forwards and allocates (an invalidating mutation) before it registers an
   identical clone, so there both are masked and harmless.
@@ -52,11 +52,14 @@ EXPECTED = {
         for policy in ("memo", "layerwise")
     },
 }
-# fault -> the phase whose outputs a stale hit corrupts with the guard off (absent: cannot corrupt here)
+# fault -> the (setup, phase) pairs whose outputs a stale hit corrupts with the guard off (absent: cannot corrupt
+# here): every setup that runs the phase
+REMAP = {("base", "midforward_remap"), ("paged", "midforward_remap")}
 CORRUPTS = {
-    "skip-forward-invalidation": "reserved_decode",
-    "skip-register-mapping-invalidation": "midforward_remap",
-    "skip-alloc-invalidation": "midforward_remap",
+    "skip-forward-invalidation": {("base", "reserved_decode"), ("paged", "reserved_decode"),
+                                  ("wide", "reserved_verify")},
+    "skip-register-mapping-invalidation": REMAP,
+    "skip-alloc-invalidation": REMAP,
 }
 
 
@@ -124,11 +127,11 @@ def test_guard_off(diagnose, fault):
     runs = by_policy(report)
     for policy in ("memo", "layerwise"):
         if fault in CORRUPTS and policy in affected:
-            # stale hits returned: the sliding layers wrote KV to slots attention does not read (every setup
-            # that runs the phase), each in a phase whose events say so
+            # stale hits returned: the sliding layers wrote KV to slots attention does not read, each in a
+            # phase whose events say so
             mismatches = runs[policy].mismatches
-            assert {m.setup for m in mismatches} == {"base", "paged"}
-            assert all(m.phase == CORRUPTS[fault] and m.max_logit_diff > 0.1 for m in mismatches)
+            assert {(m.setup, m.phase) for m in mismatches} == CORRUPTS[fault]
+            assert all(m.max_logit_diff > 0.1 for m in mismatches)
             assert not any(m.undetected for m in mismatches)
             assert ("kv_write", "stale_loc") in non_benign(report, policy)
         else:

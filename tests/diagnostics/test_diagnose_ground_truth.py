@@ -104,13 +104,13 @@ def test_a_bug_that_corrupts_every_policy_alike_is_caught(monkeypatch):
 
 
 def padding_aimed_at_a_live_slot(mp):
-    """Graph replay pads a short batch with rows that write into the first request's new slot instead of the
-    sink (issue 21, class 1: padded rows of the static buffers not reset)."""
+    """Graph replay (decode and verify) pads a short batch with tokens that write into the first request's new
+    slot instead of the sink (issue 21, class 1: padded rows of the static buffers not reset)."""
     original = StaticGraphRunner.load
 
     def load(self, batch):
         static = original(self, batch)
-        static.out_cache_loc[batch.batch_size:] = batch.out_cache_loc[0]
+        static.out_cache_loc[batch.num_tokens:] = batch.out_cache_loc[0]
         return static
 
     mp.setattr(StaticGraphRunner, "load", load)
@@ -121,8 +121,8 @@ def test_padding_that_writes_a_live_slot_is_caught_under_every_policy(monkeypatc
     wide = tuple(s for s in SETUPS if s.name == "wide")  # the setup whose batches are replayed padded
     report = run_diagnose(policies=("memo", "off"), setups=wide)
     for p in report.policies:  # before: memo compared equal to off, which writes the same wrong slot
-        [m] = p.mismatches
-        assert (m.setup, m.phase) == ("wide", "wide_decode") and m.max_logit_diff > 0.1
+        assert {(m.setup, m.phase) for m in p.mismatches} == {("wide", "reserved_verify"), ("wide", "wide_decode")}
+        assert all(m.max_logit_diff > 0.1 for m in p.mismatches)
     assert report.exit_status == 1
 
 
@@ -156,7 +156,8 @@ def test_every_component_counts_exactly_the_declared_paths():
     engine = Engine(work.engine_config("tiny", "memo"), progress=False, model=net)
     alloc = engine.pool.allocator
     declared = [*alloc.full.path_counts, *alloc.path_counts, *engine.scheduler.path_counts,
-                *engine.slots.tree.path_counts, *engine.runner.graphs.path_counts]
+                *engine.slots.tree.path_counts, *engine.runner.graphs.path_counts,
+                *engine.runner.verify_graphs.path_counts]
     assert sorted(declared) == sorted(paths.MEMORY_PATHS) and len(set(declared)) == len(declared)
     assert set(memory_path_counts(engine)) == set(paths.MEMORY_PATHS)
     with pytest.raises(KeyError):  # a path counted without being declared cannot slip through
@@ -173,5 +174,5 @@ def test_removing_a_setup_fails_the_paths_only_it_takes():
     dropped = {"wide", "small_host"}
     report = run_diagnose(policies=("memo",), setups=tuple(s for s in SETUPS if s.name not in dropped))
     missing = sorted(f.rsplit(" ", 1)[1] for f in report.failures if "did not take memory path" in f)
-    assert missing == ["decode_twice_graph_max", "graph_replay_padded", "host_drop"]
+    assert missing == ["decode_twice_graph_max", "graph_replay_padded", "host_drop", "verify_replay_exact"]
     assert report.exit_status == 1

@@ -18,6 +18,7 @@ from kv_slips import (  # tests/ is on sys.path
     locked_nodes_evictable,
     padding_not_reset,
     partial_pages_released,
+    verify_padding_not_reset,
     window_released_one_token_early,
 )
 from runtime.attention.base import AttentionBackend
@@ -37,6 +38,8 @@ GEN = torch.Generator().manual_seed(11)
 PROMPTS = [torch.randint(4, 260, (n,), generator=GEN).tolist() for n in (5, 14, 23, 9, 30, 17)]
 # different lengths, so that decode batches shrink while their graph size stays (padding appears)
 PARAMS = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (12, 3, 9, 16, 5, 7)]
+# something to copy, so that speculation drafts (verify batches of varying draft lengths)
+SPEC_PROMPTS = [[2] + [10, 11, 12, 13, 14, 15] * 6, [2] + list(range(40, 60)) * 2, [2, 5, 6, 7, 8, 9, 5, 6, 7]]
 
 
 def engine(**cfg):
@@ -101,6 +104,33 @@ def test_graph_padding_not_reset_is_a_foreign_write_in_the_first_replay_that_pad
     assert event.expected_owner.startswith("the padding sink (slot 0)")
     assert event.pool == "full" and event.slot > 0 and "position" in event.actual_owner
     assert event.last_path.startswith("Scheduler._batch via KVSlots.claim"), event.last_path  # who handed it out
+
+
+def padded_verify_token_writes_a_live_slot(engine, batch, meta):
+    rows = torch.repeat_interleave(torch.tensor(batch.req_rows), torch.tensor(batch.extend_lens))  # (T,)
+    return batch.verify and bool((batch.out_cache_loc[rows == 0] != 0).any())
+
+
+def test_verify_padding_not_reset_is_a_foreign_write_in_the_first_verify_replay_that_pads(monkeypatch):
+    """A verify replay packs each request's last token and draft, then pads the tail of its (batch size, K)
+    buffers: a tail left from a longer verify writes the slots that verify's tokens were given."""
+    verify_padding_not_reset(monkeypatch)
+    spy = Spy(monkeypatch, padded_verify_token_writes_a_live_slot)
+    e = spy.engine = engine(disable_prefix_caching=True, speculative_algorithm="ngram", num_speculative_tokens=4)
+    e.generate(SPEC_PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert spy.first is not None, "the workload never padded a verify over a stale tail"
+    assert set(bad_events(e)) == {("kv_write", "foreign_slot_write")}
+    event = first_event(e, "kv_write", "foreign_slot_write")
+    assert event.forward_id == spy.first and event.mode == "target_verify"
+    assert event.expected_owner.startswith("the padding sink (slot 0)")
+    assert event.pool == "full" and event.slot > 0
+    assert event.last_path.startswith("Scheduler."), event.last_path  # handed out, or rolled back, by it
+
+
+def test_the_same_workload_without_the_slip_counts_nothing():
+    e = engine(disable_prefix_caching=True, speculative_algorithm="ngram", num_speculative_tokens=4)
+    e.generate(SPEC_PROMPTS, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert e.runner.verify_graphs.path_counts["verify_replay_padded"] > 0 and bad_events(e) == {}
 
 
 # ---- 2. stale request-table rows after a load-back -----------------------------------------------------------

@@ -126,6 +126,7 @@ def test_the_strict_kv_sanitizer_sees_no_foreign_or_freed_slot(algorithm, page_s
     e.generate(PROMPTS + [p[:-3] for p in PROMPTS], SamplingParams(max_new_tokens=24, ignore_eos=True))
     e.scheduler.assert_idle_clean()
     assert e.stats.forward_counts["target_verify"] > 0 and e.stats.hicache_offloads > 0
+    assert e.runner.verify_graphs.path_counts["verify_replay_padded"] > 0  # padded tails write only the sink
     assert e.stats.translation.invalidation_counts["spec_rollback"] > 0
     events = {k: n for k, n in e.stats.translation.key_change_counts.items() if n and k[1] in NON_BENIGN_CLASSIFICATIONS}
     assert events == {}
