@@ -194,7 +194,7 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (T,), (T,)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         h = h * self.embed_scale.to(h.dtype)
-        angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D/2)
+        angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D)
         for layer, r in zip(self.layers, self.layer_rope):
             h = layer(h, *angles[r])
         return self.norm(h)  # (T, hidden)
