@@ -1,4 +1,4 @@
-"""Projections whose weights are exactly 4-bit, multiplied at decode sizes by torch's int4 kernel.
+"""Weights that are exactly 4-bit, multiplied at decode sizes by torch's int4 kernel.
 
 A GGUF file's Q4_K tensors (in Gemma 3 270M's Q4_K_M file: every `attn_output` and half of the `ffn_down`)
 hold, in each group of 32 consecutive weights of a row, values `s * q - m` with q in 0..15: 16 evenly spaced
@@ -8,7 +8,8 @@ with one scale and one offset per group of 32, which is what `aten::_weight_int4
 bytes of the bfloat16 copy for these weights; on the 2-core Xeon with AMX of this work, one row through a
 640 x 1024 weight took 116 us against 429 us prepacked bfloat16 (1 thread, machine busy; 4x fewer bytes).
 The kernel's cost grows with the rows faster than a GEMM's (8 rows: 1.2x faster than bfloat16, 32 rows:
-2x slower), so only up to `INT4_MAX_ROWS` rows take it; prefill keeps the prepacked bfloat16 weight.
+2x slower), so only up to `INT4_MAX_ROWS` rows take it; prefill keeps the prepacked bfloat16 weight (the
+layer that chooses: `runtime/layers/decode_linear.py`).
 
 Nothing is re-quantised: `int4_grid` finds the grid or declines, so a weight that is not exactly 4-bit
 (Q5_0, Q6_K, Q8_0, a Hugging Face checkpoint, float32 rounded to bfloat16 before loading) keeps its bfloat16
@@ -20,7 +21,6 @@ from __future__ import annotations
 
 import torch
 
-from runtime.layers.linear import Linear, linear
 
 GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
 LEVELS = 16
@@ -81,50 +81,10 @@ class Int4Weight:
         """bfloat16 activations on a CPU with the kernel; float32 models stay exact and untouched."""
         return KERNEL_AVAILABLE and dtype == torch.bfloat16 and weight.device.type == "cpu"
 
-    def takes(self, x: torch.Tensor) -> bool:
-        return (x.dim() == 2 and x.shape[0] <= _max_rows and x.dtype == self.dtype and x.device.type == "cpu"
-                and not torch.is_grad_enabled() and not torch.compiler.is_compiling())
+    max_rows = INT4_MAX_ROWS
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
     def nbytes(self) -> int:
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-
-
-_max_rows = INT4_MAX_ROWS
-
-
-def set_max_rows(rows: int) -> int:
-    """Set the row limit of the int4 path (the quality benchmark's decode path scores a whole text through
-    it); returns the previous one."""
-    global _max_rows
-    previous, _max_rows = _max_rows, rows
-    return previous
-
-
-def _make_int4(module: "Int4GridLinear", state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: the int4 copy from the checkpoint's own values (float32 from the loader),
-    before they are cast to the model's dtype; None where they are not exactly 4-bit."""
-    weight = state_dict.get(prefix + "weight")
-    if weight is None:
-        return
-    grid = int4_grid(weight) if Int4Weight.wanted(weight, module.weight.dtype) else None
-    module.int4 = None if grid is None else Int4Weight(*grid, module.weight.dtype)
-
-
-class Int4GridLinear(Linear):
-    """`Linear` that also holds an `Int4Weight` when its loaded weight is exactly 4-bit, for decode's few rows."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features)
-        self.int4: Int4Weight | None = None
-        self.register_load_state_dict_pre_hook(_make_int4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        if self.int4 is not None and self.int4.takes(x):
-            return self.int4.matmul(x)
-        return linear(x, self.weight, self.packed)
-
-    def extra_repr(self) -> str:
-        return super().extra_repr() + (", int4 (exact) up to %d rows" % _max_rows if self.int4 is not None else "")

@@ -1,12 +1,13 @@
-"""Exactly-4-bit projections: the grid is found (or declined) exactly, the int4 copy computes what the float
-weight does, at decode sizes only, and nothing of it is saved."""
+"""Decode copies of projections: an exactly-4-bit weight's grid is found (or declined) exactly; the int4 or
+int8 copy computes what the float weight does, at decode sizes only; nothing of it is saved."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from runtime.layers import int4
-from runtime.layers.int4 import GROUP, INT4_MAX_ROWS, Int4GridLinear, int4_grid
+from runtime.layers.decode_linear import INT8_MAX_ROWS, DecodeLinear, Int8DecodeWeight
+from runtime.layers.int4 import GROUP, INT4_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.quantized import kernel_path_only
 from runtime.memory_bound import decode_weight_bytes
 from runtime.models.config import Gemma3Config
@@ -47,44 +48,42 @@ def test_a_weight_that_is_not_4bit_is_declined(weight):
 
 
 @needs_kernel
-def test_int4_linear_computes_what_the_float_weight_does_at_decode_sizes_only():
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_only(kind):
     torch.manual_seed(0)
-    w = q4k_like(96, 128)
-    layer = Int4GridLinear(128, 96).to(torch.bfloat16)
+    w = q4k_like(96, 128) if kind == "int4" else torch.randn(96, 128) * 0.05
+    layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
-    assert layer.int4 is not None and "int4" in repr(layer)
+    assert isinstance(layer.decode, Int4Weight if kind == "int4" else Int8DecodeWeight) and kind in repr(layer)
+    assert layer.decode.max_rows == (INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
     assert list(layer.state_dict()) == ["weight"]  # derived, never saved
-    for rows in (1, INT4_MAX_ROWS):
+    for rows in (1, layer.decode.max_rows):
         x = torch.randn(rows, 128).bfloat16()
         with torch.no_grad():
             got, dense = layer(x), F.linear(x, w.bfloat16())
         ref = F.linear(x.float(), w)
-        # as close as the bfloat16 weight gets: the scales' rounding against every weight's
-        assert (got.float() - ref).abs().max() <= 2 * (dense.float() - ref).abs().max()
-    x = torch.randn(INT4_MAX_ROWS + 1, 128).bfloat16()
+        if kind == "int4":  # as close as the bfloat16 weight gets: the scales' rounding against every weight's
+            assert (got.float() - ref).abs().max() <= 2 * (dense.float() - ref).abs().max()
+        else:  # per-channel int8: half a step of 1/127 of a row's largest weight
+            torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
+    x = torch.randn(layer.decode.max_rows + 1, 128).bfloat16()
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight))  # more rows: the bfloat16 weight
         with kernel_path_only():
-            assert torch.equal(layer(x), layer.int4.matmul(x))  # the quality benchmark's decode path
-
-
-def test_float32_models_and_bfloat16_reads_keep_no_int4_copy():
-    w = q4k_like(96, 128)
-    layer = Int4GridLinear(128, 96)  # float32
-    layer.load_state_dict({"weight": w})
-    assert layer.int4 is None
+            assert torch.equal(layer(x), layer.decode.matmul(x))  # the quality benchmark's decode path
 
 
 @needs_kernel
-def test_the_memory_floor_counts_the_int4_bytes():
+def test_the_memory_floor_counts_the_decode_copies_bytes():
     config = Gemma3Config.tiny()
     state = random_state_dict(config, seed=0)
     o_proj = "model.layers.0.self_attn.o_proj.weight"
     state[o_proj] = q4k_like(*state[o_proj].shape)
     plain = build_model(config, state, torch.bfloat16, quantization="int8-head")
     layer = plain.model.layers[0].self_attn.o_proj
-    assert layer.int4 is not None
-    with_int4 = decode_weight_bytes(plain, 1)
-    saved = layer.weight.numel() * 2 - layer.int4.nbytes()
-    layer.int4 = None
-    assert with_int4 == decode_weight_bytes(plain, 1) - saved
+    assert isinstance(layer.decode, Int4Weight)
+    assert isinstance(plain.model.layers[0].self_attn.qkv_proj.decode, Int8DecodeWeight)
+    with_copy = decode_weight_bytes(plain, 1)
+    saved = layer.weight.numel() * 2 - layer.decode.nbytes()
+    layer.decode = None
+    assert with_copy == decode_weight_bytes(plain, 1) - saved
