@@ -10,10 +10,10 @@ fused kernel), whatever the model's dtype: on CPUs without bfloat16 units its bf
 magnitude slower (13 ms against 1 ms for a batch-8 decode layer over 600 keys), and even with them 3-5x
 slower than float32. The exception is decode in a lower-precision model: two batched matmuls in the model's
 dtype (in float32 for one or two requests, where that is faster), softmax in float32 (`_decode_in_own_dtype`),
-half the time of the upcast and fused kernel; its key
-lists are padded to a multiple of `KEY_BUCKET`, so that the matmuls' shapes repeat from step to step, and
-the padding is masked by an additive bias made once per forward, which the first matmul adds. Logit
-soft-capping, which the fused kernel cannot express, takes the explicit path.
+half the time of the upcast and fused kernel; its key lists are padded to a multiple of `KEY_BUCKET`, so that
+the matmuls' shapes repeat from step to step, and the padding is masked by an additive bias made once per
+forward, which the first matmul adds. Logit soft-capping, which the fused kernel cannot express, takes the
+explicit path.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ class TorchNativeBackend(AttentionBackend):
         if plan is None:
             if decode:
                 own_dtype = q.dtype != torch.float32 and not layer.logit_softcapping  # `_decode_in_own_dtype`
-                plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1,
-                                         (layer.num_kv_heads, _decode_matmul_dtype(q.dtype, keys)) if own_dtype else None)
+                bias_for = (layer.num_kv_heads, _decode_matmul_dtype(q.dtype, keys)) if own_dtype else None
+                plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1, bias_for)
             else:
                 plan = self._extend_plan(keys, window)
             self._plans[(id(keys), window)] = plan

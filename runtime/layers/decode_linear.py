@@ -82,8 +82,8 @@ class DecodeLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         copy = self.decode
-        if (copy is not None and x.dim() == 2 and (x.shape[0] <= copy.max_rows or _forced)
-                and x.dtype == copy.dtype and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+        if (copy is not None and x.dim() == 2 and (x.shape[0] <= copy.max_rows or _forced) and x.dtype == copy.dtype
+                and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
             return copy.matmul(x)
         return linear(x, self.weight, self.packed)
 

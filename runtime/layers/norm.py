@@ -2,8 +2,8 @@
 
 The normalisation runs as one `torch.rms_norm` call (aten's composite: the reference's pow, mean, add, rsqrt
 and multiplications, in that order, so float32 results are bit-identical) instead of six Python-level
-operations: a decode step normalises 108 times, and at batch 1 each operation's dispatch costs about as much
-as its arithmetic.
+operations: a decode step normalises about 90 times, and at batch 1 each operation's dispatch costs about as
+much as its arithmetic.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """`rms_norm` with its float32 multiplier `scale` = 1 + weight already made (see `RMSNorm.scale`): (dim,)
-    goes into the fused call, per-head multipliers (heads, dim) follow it."""
+    goes into the one call, per-head multipliers (heads, dim) follow it."""
     x32 = x.float()
     if scale.dim() == 1:
         return torch.rms_norm(x32, scale.shape, scale, eps).to(x.dtype)
