@@ -9,7 +9,7 @@ from telemetry.names import POLICIES
 BACKENDS = ("torch", "triton")
 KV_SANITIZER_MODES = ("off", "sampled", "strict")  # docs/kv-sanitizer.md
 DTYPES = ("auto", "float32", "bfloat16")  # auto: runtime/auto_settings.py
-QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py)
+QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py, decode_linear.py)
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "suffix")  # draft-free speculative decoding (runtime/speculative/)
 
 
@@ -19,7 +19,7 @@ class EngineConfig:
     # auto: the fastest setting measured on this kind of CPU (runtime/auto_settings.py), made concrete by
     # `concrete()` before anything is built; token-exact comparisons pin float32 / none.
     dtype: str = "auto"
-    quantization: str = "auto"  # int8: weight-only int8 projections and LM head; int8-head: only the LM head
+    quantization: str = "auto"  # int8: weight-only int8 projections and LM head; int8-head: see decode_linear.py
     auto_reason: str | None = None  # what `auto` followed from, once `concrete()` resolved it (None: as given)
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"

@@ -3,10 +3,11 @@
 A batch-1 decode step multiplies one row by every weight of the model once, so on a CPU it is bound by how
 fast the weights stream from memory: (bytes read per step) / (read bandwidth) is the floor for its time.
 `decode_weight_bytes` counts the bytes of the copy each layer actually multiplies with at `rows` rows (the
-int8 LM head below its row limit, the float head above; int8 weight-only layers; the model's dtype
-otherwise; one embedding row per token), and `read_bandwidth` measures the rate at which this process can
-stream a buffer far larger than the caches, with the threads torch uses. `swa-runtime bench` prints both and
-the fraction of that floor a measured step reaches.
+int8 LM head below its row limit, the float head above; int8 weight-only layers; the projections'
+int4/int8 decode copies below their row limits; the model's dtype otherwise; one embedding row per token), and
+`read_bandwidth` measures the rate at which this process can stream a buffer far larger than the caches, with
+the threads torch uses. `swa-runtime bench` prints both and the fraction of that floor a measured step
+reaches.
 """
 
 from __future__ import annotations
@@ -50,7 +51,9 @@ def decode_weight_bytes(model: nn.Module, rows: int = 1) -> int:
         elif isinstance(module, _Int8Rows):
             total += _int8_bytes(module)
         elif isinstance(module, Linear):
-            total += module.weight.numel() * module.weight.element_size()
+            copy = getattr(module, "decode", None)  # DecodeLinear's low-bit copy
+            total += copy.nbytes() if copy is not None and rows <= copy.max_rows else (
+                module.weight.numel() * module.weight.element_size())
         else:
             total += sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
     return total + _head_bytes(head, rows)

@@ -25,8 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="weight format: auto (default: int8-head on CPUs with bfloat16 units, int8 on AVX2 "
                         "without them, else none), none (the --dtype), int8 (weight-only, per-channel scales: projections "
-                        "and LM head) or int8-head (the --dtype, but the LM head in int8 for decode's few rows, "
-                        "activations quantised per call)")
+                        "and LM head) or int8-head (the --dtype, but for decode's few rows the LM head in int8, "
+                        "activations quantised per call, and every projection through an int4 copy where its weight "
+                        "is exactly 4-bit, else an int8 one)")
     g.add_argument("--compile-decode", action="store_true",
                    help="torch.compile each layer's math around its attention call (compiles on first use)")
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)

@@ -207,8 +207,15 @@ def test_decode_bytes_count_the_copy_each_layer_multiplies_with(quantization):
         if model.model.embed_tokens.int8 is None:
             pytest.skip("this torch has no quantized-tensor API: the float head serves every row")
         floats = sum(p.numel() * 2 for p in model.parameters())  # all bfloat16, the table among them
+        copies = [m for m in model.modules() if getattr(m, "decode", None) is not None]  # projections' copies
+
+        def saved(rows: int) -> int:
+            return sum(m.weight.numel() * 2 - m.decode.nbytes() for m in copies if rows <= m.decode.max_rows)
+
+        assert saved(1) > 0
         for rows in (1, DYNAMIC_MAX_ROWS):  # the int8 copy (int8 weights, float32 scales) replaces the table
-            assert decode_weight_bytes(model, rows) == floats - V * D * 2 + rows * D * 2 + V * D + V * 4
+            assert decode_weight_bytes(model, rows) == floats - saved(rows) - V * D * 2 + rows * D * 2 + V * D + V * 4
+        assert saved(DYNAMIC_MAX_ROWS + 1) == 0
         assert decode_weight_bytes(model, DYNAMIC_MAX_ROWS + 1) == floats + (DYNAMIC_MAX_ROWS + 1) * D * 2
     else:
         int8 = [m for m in model.modules() if hasattr(m, "weight_int8")]

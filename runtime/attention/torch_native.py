@@ -9,9 +9,11 @@ is plain causal attention. Attention is computed in float32 through `scaled_dot_
 fused kernel), whatever the model's dtype: on CPUs without bfloat16 units its bfloat16 path is an order of
 magnitude slower (13 ms against 1 ms for a batch-8 decode layer over 600 keys), and even with them 3-5x
 slower than float32. The exception is decode in a lower-precision model: two batched matmuls in the model's
-dtype, softmax in float32 (`_decode_in_own_dtype`), half the time of the upcast and fused kernel; its key
-lists are padded to a multiple of `KEY_BUCKET`, so that the matmuls' shapes repeat from step to step. Logit
-soft-capping, which the fused kernel cannot express, takes the explicit path.
+dtype (in float32 for one or two requests, where that is faster), softmax in float32 (`_decode_in_own_dtype`),
+half the time of the upcast and fused kernel; its key lists are padded to a multiple of `KEY_BUCKET`, so that
+the matmuls' shapes repeat from step to step, and the padding is masked by an additive bias made once per
+forward, which the first matmul adds. Logit soft-capping, which the fused kernel cannot express, takes the
+explicit path.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class _Plan:
 
     slots: torch.Tensor  # (B, L) int64 pool slots, padding 0
     mask: torch.Tensor | None  # (B, 1, Tq, L) bool, None when every listed key is visible
+    bias: torch.Tensor | None = None  # (B Hkv, 1, L) 0 or -inf in the dtype `_decode_in_own_dtype` multiplies in
     causal: bool = False  # a single request whose keys are exactly its queries: plain causal attention
     q_index: torch.Tensor | None = None  # (B, Tq) int64 rows of the flattened T (padding 0); None: B == 1
     q_real: torch.Tensor | None = None  # (B, Tq) bool, the real rows of q_index
@@ -57,7 +60,8 @@ class TorchNativeBackend(AttentionBackend):
         if plan is None:
             if decode:
                 own_dtype = q.dtype != torch.float32 and not layer.logit_softcapping  # `_decode_in_own_dtype`
-                plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1)
+                bias_for = (layer.num_kv_heads, _decode_matmul_dtype(q.dtype, keys)) if own_dtype else None
+                plan = self._decode_plan(keys, KEY_BUCKET if own_dtype else 1, bias_for)
             else:
                 plan = self._extend_plan(keys, window)
             self._plans[(id(keys), window)] = plan
@@ -67,7 +71,7 @@ class TorchNativeBackend(AttentionBackend):
             qb = (q[None] if plan.q_index is None else q[plan.q_index]).transpose(1, 2)  # (B, H, Tq, D)
         k, v = _gather(k_buf, plan.slots), _gather(v_buf, plan.slots)  # (B, Hkv, L, D)
         if decode and q.dtype != torch.float32 and not layer.logit_softcapping:
-            return _decode_in_own_dtype(qb, k, v, plan.mask, layer).reshape(q.shape)
+            return _decode_in_own_dtype(qb, k, v, plan.bias, layer).reshape(q.shape)
         if plan.blocks is None:
             out = _attention(qb, k, v, plan.mask, plan.causal, layer)  # (B, H, Tq, D)
         else:
@@ -93,8 +97,13 @@ class TorchNativeBackend(AttentionBackend):
         slots[real] = keys.indices.long()
         return slots, real, lens
 
-    def _decode_plan(self, keys: KVIndexList, multiple: int) -> _Plan:
+    def _decode_plan(self, keys: KVIndexList, multiple: int, bias_for: tuple[int, torch.dtype] | None) -> _Plan:
+        """`bias_for`: (kv heads, dtype) of the additive mask `_decode_in_own_dtype` takes, None for a mask."""
         slots, real, lens = self._key_table(keys, multiple)
+        if bias_for is not None:
+            heads, dtype = bias_for
+            bias = torch.zeros(real.shape, dtype=dtype, device=real.device).masked_fill_(~real, float("-inf"))
+            return _Plan(slots, None, bias=bias.repeat_interleave(heads, 0)[:, None, :])  # (B Hkv, 1, L)
         padded = min(lens, default=0) < slots.shape[1]
         return _Plan(slots, real[:, None, None, :] if padded else None)  # mask (B, 1, 1, L)
 
@@ -162,24 +171,40 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.transpose(1, 2)
 
 
-def _decode_in_own_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+# Decode batches of up to this many requests multiply in float32 in `_decode_in_own_dtype`: a bfloat16 batched
+# matmul has a fixed cost that float32's has not (on the 2-core Xeon with AMX, 2 threads, one request over 320
+# keys: 24 against 7 us a product; the layer's attention 103 against 65 us with the float32 copies of its keys
+# and values, 108 against 90 us at 2 requests), and from 4 requests on those copies cost more than it saves
+# (204 against 244 us).
+FLOAT32_DECODE_MAX_REQUESTS = 2
+
+
+def _decode_matmul_dtype(dtype: torch.dtype, keys: KVIndexList) -> torch.dtype:
+    return torch.float32 if len(keys.indptr_list) - 1 <= FLOAT32_DECODE_MAX_REQUESTS else dtype
+
+
+def _decode_in_own_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                          layer) -> torch.Tensor:
     """Decode attention of a lower-precision model (bfloat16, float16) as two batched matmuls in its own dtype,
     the softmax in float32: what the reference implementation's eager attention does in that dtype. For one
     query per request the fused kernel is slower here (1.1-1.3 ms against 0.4-0.6 ms for a batch-8 layer over
     600 keys; 10.7 against 4.1 ms at batch 32), mostly the float32 copies of the gathered keys and values.
-    q (B, H, 1, D), k/v (B, Hkv, L, D), mask (B, 1, 1, L) or None -> (B, H, 1, D)."""
+    The scaling and the padding bias ride on the first matmul (`baddbmm`: `bias + scaling * q.k`, one rounding
+    to the model's dtype; the same bits as the product rounded, then scaled in float32 and masked, whenever
+    the scaling is a power of two, as Gemma 3's 1/16), and the softmax reads its input as float32 itself.
+    A bias in float32 (`FLOAT32_DECODE_MAX_REQUESTS`) makes both products float32, without those roundings.
+    q (B, H, 1, D), k/v (B, Hkv, L, D), bias (B Hkv, 1, L) -> (B, H, 1, D) in q's dtype."""
     B, H, _, D = q.shape
     Hkv, L = k.shape[1], k.shape[2]
     G = H // Hkv
+    dtype = bias.dtype
     # 3-D batched matmuls over (request, kv head): query head h reads kv head h // G. `matmul` on the 4-D
     # views copied the gathered keys first (155 against 49 us at batch 1 over 600 keys).
-    qg = q.reshape(B * Hkv, G, D)
-    scores = torch.bmm(qg, k.reshape(B * Hkv, L, D).transpose(1, 2)).float() * layer.scaling  # (B Hkv, G, L)
-    if mask is not None:  # (B, 1, 1, L) broadcasts over heads and groups
-        scores = scores.view(B, Hkv, G, L).masked_fill(~mask, float("-inf")).view(B * Hkv, G, L)
-    probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    return torch.bmm(probs, v.reshape(B * Hkv, L, D)).reshape(B, H, 1, D)
+    qg = q.reshape(B * Hkv, G, D).to(dtype)
+    k, v = k.reshape(B * Hkv, L, D).to(dtype), v.reshape(B * Hkv, L, D).to(dtype)
+    scores = torch.baddbmm(bias, qg, k.transpose(1, 2), alpha=layer.scaling)  # (B Hkv, G, L)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
+    return torch.bmm(probs, v).reshape(B, H, 1, D).to(q.dtype)
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,

@@ -1,4 +1,10 @@
-"""Gemma's RMSNorm: the weight is stored zero-centred and applied as `1 + w`."""
+"""Gemma's RMSNorm: the weight is stored zero-centred and applied as `1 + w`.
+
+The normalisation runs as one `torch.rms_norm` call (aten's composite: the reference's pow, mean, add, rsqrt
+and multiplications, in that order, so float32 results are bit-identical) instead of six Python-level
+operations: a decode step normalises about 90 times, and at batch 1 each operation's dispatch costs about as
+much as its arithmetic.
+"""
 
 from __future__ import annotations
 
@@ -17,10 +23,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """`rms_norm` with its float32 multiplier `scale` = 1 + weight already made (see `RMSNorm.scale`)."""
+    """`rms_norm` with its float32 multiplier `scale` = 1 + weight already made (see `RMSNorm.scale`): (dim,)
+    goes into the one call, per-head multipliers (heads, dim) follow it."""
     x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return (x32 * scale).to(x.dtype)
+    if scale.dim() == 1:
+        return torch.rms_norm(x32, scale.shape, scale, eps).to(x.dtype)
+    return (torch.rms_norm(x32, scale.shape[-1:], None, eps) * scale).to(x.dtype)
 
 
 class RMSNorm(nn.Module):

@@ -52,14 +52,19 @@ _dequant_min_rows = DEQUANT_MIN_ROWS
 
 @contextmanager
 def kernel_path_only() -> Iterator[None]:
-    """Every int8 matmul through the kernel, whatever its row count, while inside: scores a whole text in
-    one forward with decode's arithmetic (quality measurements). Not thread-safe; not for serving."""
+    """Every int8 and int4 matmul through its decode kernel (the `int8` format's and the decode copies of
+    `runtime/layers/decode_linear.py`), whatever its row count, while inside: scores a whole text in one
+    forward with decode's arithmetic (quality measurements). Not thread-safe; not for serving."""
+    from runtime.layers.decode_linear import force_decode_copies  # it imports this module
+
     global _dequant_min_rows
     previous, _dequant_min_rows = _dequant_min_rows, 2**62
+    previous_forced = force_decode_copies(True)
     try:
         yield
     finally:
         _dequant_min_rows = previous
+        force_decode_copies(previous_forced)
 
 
 def _dense_in_own_dtype(x: torch.Tensor) -> bool:

@@ -3,7 +3,8 @@
 Gemma 3 uses two bases: 10 000 on sliding-window layers and 1 000 000 on global layers (whose positions
 may also be linearly scaled). The model builds one `RotaryEmbedding` per distinct (base, factor), shares it
 between the layers that use it, and looks the batch's angles up once per forward (`cos_sin`), not once per
-layer; each layer then only rotates (`apply_rotary`).
+layer, already laid out at full head width with the sign of the rotation folded into sin; each layer then
+only rotates (`apply_rotary`: three multiply-adds' worth of operations instead of ten).
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", angles.sin(), persistent=False)  # (P, D/2)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The angles of the tokens at `positions` (T,): cos and sin, each (T, 1, D/2) float32."""
-        return self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1)
+        """The angles of the tokens at `positions` (T,) as `apply_rotary` takes them, each (T, 1, D) float32:
+        cos of frequency i at i and i + D/2, and sin negated in the first half (`rotate_half`'s sign)."""
+        cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # (T, D/2)
+        return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -46,8 +49,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x (T, heads, D) by angles (T, 1, D/2): pairs (x[i], x[i + D/2]) turn by the angle of frequency
-    i; computed in float32 (`x1*cos - x2*sin` is the reference's `x1*cos + (-x2)*sin`, bit for bit)."""
-    x1, x2 = x.float().chunk(2, dim=-1)  # (T, H, D/2) each
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)  # (T, H, D)
-    return rotated.to(x.dtype)
+    """Rotate x (T, heads, D) by angles (T, 1, D) from `cos_sin`: pairs (x[i], x[i + D/2]) turn by the angle
+    of frequency i; computed in float32, returned in x's dtype. `x * cos + roll(x) * sin` is the reference's
+    `x * cos + rotate_half(x) * sin` bit for bit: roll gives (x2, x1), and x2 * (-sin) == (-x2) * sin."""
+    x32 = x.float()
+    return (x32 * cos + x32.roll(x.shape[-1] // 2, -1) * sin).to(x.dtype)  # (T, H, D)

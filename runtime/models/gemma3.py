@@ -25,6 +25,7 @@ from torch import nn
 
 from runtime.layers.activation import gelu_tanh_and_mul
 from runtime.layers.attention import Attention
+from runtime.layers.decode_linear import DecodeLinear
 from runtime.layers.linear import Embedding, Linear
 from runtime.layers.norm import RMSNorm, rms_norm_scaled
 from runtime.layers.quantized import Int8Embedding, Int8HeadEmbedding, Int8HeadLinear, Int8Linear
@@ -42,7 +43,7 @@ class WeightFormat(NamedTuple):
 WEIGHT_FORMATS: dict[str, WeightFormat] = {
     "none": WeightFormat(Linear, Embedding, Linear),
     "int8": WeightFormat(Int8Linear, Int8Embedding, Int8Linear),
-    "int8-head": WeightFormat(Linear, Int8HeadEmbedding, Int8HeadLinear),
+    "int8-head": WeightFormat(DecodeLinear, Int8HeadEmbedding, Int8HeadLinear),
 }
 
 
@@ -194,7 +195,7 @@ class Gemma3Model(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (T,), (T,)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         h = h * self.embed_scale.to(h.dtype)
-        angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D/2)
+        angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D)
         for layer, r in zip(self.layers, self.layer_rope):
             h = layer(h, *angles[r])
         return self.norm(h)  # (T, hidden)
@@ -203,7 +204,8 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(nn.Module):
     """`quantization` picks the weight format of every projection and of the embedding/LM head: "none"
     (the model's dtype), "int8" (weight-only, per-channel scales) or "int8-head" (the model's dtype but for
-    an int8 LM head at decode sizes); see `runtime/layers/quantized.py`."""
+    an int8 LM head and int4/int8 copies of the projections at decode sizes); see
+    `runtime/layers/quantized.py` and `runtime/layers/decode_linear.py`."""
 
     def __init__(self, config: Gemma3Config, quantization: str = "none") -> None:
         super().__init__()

@@ -84,9 +84,10 @@ def test_a_model_with_an_int8_head_is_the_plain_model_but_for_its_logits(dtype):
     model = build_model(config, state, dtype, quantization="int8-head")
     assert model.quantization == "int8-head"
     assert isinstance(model.model.embed_tokens, Int8HeadEmbedding)
-    assert type(model.model.layers[0].self_attn.qkv_proj) is Linear
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Linear)  # plus int4/int8 copies for decode
     assert list(model.state_dict()) == list(plain.state_dict())  # nothing int8 is saved: it is re-made on load
-    ids, positions = torch.tensor([3, 17, 200, 5]), torch.arange(4)
+    ids = torch.tensor([3, 17, 200, 5, 9, 11, 42, 7, 100, 250])  # more rows than the decode copies take
+    positions = torch.arange(len(ids))
     ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=DenseCausalBackend())
     with torch.no_grad():
         with forward_context(ctx):

@@ -1,0 +1,93 @@
+"""A projection with a low-bit copy of its weight for decode's few rows (the `int8-head` format's projections).
+
+A batch-1 decode step streams every weight once for one row of activations, so its projections cost what
+their bytes cost; prefill, many rows at once, is compute-bound and keeps the prepacked bfloat16 weight
+(`runtime/layers/linear.py`). `DecodeLinear` holds, next to it, a copy made at load time from the
+checkpoint's own float32 values, and hands rows up to the copy's `max_rows` to it:
+
+- exactly 4-bit weights (the GGUF's Q4_K tensors): an `Int4Weight`, no new rounding but that of its
+  per-group scales (`runtime/layers/int4.py`);
+- any other weight: per-channel int8 on `aten::_weight_int8pack_mm` (`Int8DecodeWeight`), the rounding of
+  the `int8` format (`runtime/layers/quantized.py`), whose perplexity stays within the quality bounds.
+
+On the 2-core Xeon with AMX of this work (2 threads, quiet): a 4096 x 640 weight at one row took 255 against
+355-365 us prepacked bfloat16 in int8, 100 against 329 us in int4 (a 4-bit weight); int8 stays ahead up to 4
+rows and falls behind by 8, int4 up to 8. bfloat16 activations only: a float32 model keeps its exact path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.layers.int4 import Int4Weight, int4_grid
+from runtime.layers.linear import Linear, linear
+
+INT8_MAX_ROWS = 4
+_forced = False  # every row count through the copy (`runtime.layers.quantized.kernel_path_only`)
+
+
+def force_decode_copies(on: bool) -> bool:
+    """Send every row count through the decode copies (quality scoring of the decode path); returns the
+    previous setting. Not thread-safe; not for serving."""
+    global _forced
+    previous, _forced = _forced, on
+    return previous
+
+
+class Int8DecodeWeight:
+    """A weight as per-channel int8 (symmetric, one scale a row) for the int8 weight-only kernel."""
+
+    max_rows = INT8_MAX_ROWS
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
+        from runtime.layers.quantized import quantize_per_channel
+
+        self.q, scales = quantize_per_channel(weight)
+        self.scales = scales.to(dtype)
+        self.dtype = dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:
+    """The copy a weight (float, as loaded) gets in a model of `dtype`: int4 if exactly 4-bit, else int8;
+    None in a float32 model, off the CPU or without the kernels."""
+    if dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    grid = int4_grid(weight) if Int4Weight.wanted(weight, dtype) else None
+    if grid is not None:
+        return Int4Weight(*grid, dtype)
+    return Int8DecodeWeight(weight, dtype) if hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
+
+
+def _make_copy(module: "DecodeLinear", state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: the copy from the checkpoint's own values, before they are cast to the
+    model's dtype."""
+    weight = state_dict.get(prefix + "weight")
+    if weight is not None:
+        module.decode = decode_copy(weight, module.weight.dtype)
+
+
+class DecodeLinear(Linear):
+    """`Linear` plus a low-bit copy (`decode`) for up to its `max_rows` rows (module docstring)."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features)
+        self.decode: Int4Weight | Int8DecodeWeight | None = None
+        self.register_load_state_dict_pre_hook(_make_copy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        copy = self.decode
+        if (copy is not None and x.dim() == 2 and (x.shape[0] <= copy.max_rows or _forced) and x.dtype == copy.dtype
+                and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            return copy.matmul(x)
+        return linear(x, self.weight, self.packed)
+
+    def extra_repr(self) -> str:
+        copy = self.decode
+        kind = {Int4Weight: "int4 (exact)", Int8DecodeWeight: "int8"}.get(type(copy))
+        return super().extra_repr() + (f", {kind} up to {copy.max_rows} rows" if copy is not None else "")

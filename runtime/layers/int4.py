@@ -1,0 +1,90 @@
+"""Weights that are exactly 4-bit, multiplied at decode sizes by torch's int4 kernel.
+
+A GGUF file's Q4_K tensors (in Gemma 3 270M's Q4_K_M file: every `attn_output` and half of the `ffn_down`)
+hold, in each group of 32 consecutive weights of a row, values `s * q - m` with q in 0..15: 16 evenly spaced
+levels. Dequantised to float32 by the loader, such a weight is therefore exactly an asymmetric int4 weight
+with one scale and one offset per group of 32, which is what `aten::_weight_int4pack_mm_for_cpu` multiplies
+(`(q - 8) * scale + zero`, scales and zeros in the activations' dtype). A decode step reads a quarter of the
+bytes of the bfloat16 copy for these weights; on the 2-core Xeon with AMX of this work, one row through a
+640 x 1024 weight took 116 us against 429 us prepacked bfloat16 (1 thread, machine busy; 4x fewer bytes).
+The kernel's cost grows with the rows faster than a GEMM's (8 rows: 1.2x faster than bfloat16, 32 rows:
+2x slower), so only up to `INT4_MAX_ROWS` rows take it; prefill keeps the prepacked bfloat16 weight (the
+layer that chooses: `runtime/layers/decode_linear.py`).
+
+Nothing is re-quantised: `int4_grid` finds the grid or declines, so a weight that is not exactly 4-bit
+(Q5_0, Q6_K, Q8_0, a Hugging Face checkpoint, float32 rounded to bfloat16 before loading) keeps its bfloat16
+path alone. The one rounding is that of the per-group scale and offset to bfloat16 (relative 2^-9, about
+what rounding each weight to bfloat16 costs the bfloat16 copy).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
+LEVELS = 16
+INT4_MAX_ROWS = 8  # rows up to which the int4 kernel is faster than prepacked bfloat16 (module docstring)
+GRID_TOLERANCE = 1e-3  # of a grid step: float32 rounding in `s * q - m`, far below a step
+KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
+    torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
+
+
+def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(q (N, K) int32 in 0..15, step (N, K/32), low (N, K/32)) with weight == low + step * q per group of 32,
+    or None if some group's values are not on 16 evenly spaced levels. Each group takes the finest grid,
+    15 steps from its minimum to its maximum down to 1, that holds all of its values. The first rows are
+    tried alone first: most weights that are not 4-bit fail there, at a fraction of the cost."""
+    if weight.dim() != 2 or weight.shape[1] % GROUP:
+        return None
+    if weight.shape[0] > SAMPLE_ROWS and _grid(weight[:SAMPLE_ROWS]) is None:
+        return None
+    return _grid(weight)
+
+
+SAMPLE_ROWS = 8
+
+
+def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    N, K = weight.shape
+    w = weight.float().reshape(-1, GROUP)  # (N K/32, 32): one group a row
+    low = w.amin(-1)
+    offsets = w - low[:, None]
+    span = offsets.amax(-1)
+    step = torch.zeros_like(span)
+    todo = (span > 0).nonzero().squeeze(1)  # a constant group is `low` alone: step 0
+    for k in range(LEVELS - 1, 0, -1):  # each pass looks only at the groups no finer grid held
+        trial = span[todo] / k
+        t = offsets[todo] / trial[:, None]
+        fits = ((t - t.round()).abs() <= GRID_TOLERANCE).all(-1)
+        step[todo[fits]] = trial[fits]
+        todo = todo[~fits]
+        if not todo.numel():
+            break
+    if todo.numel():
+        return None
+    q = (offsets / torch.where(step > 0, step, 1.0)[:, None]).round().to(torch.int32)
+    return q.reshape(N, K), step.reshape(N, -1), low.reshape(N, -1)
+
+
+class Int4Weight:
+    """An exactly-4-bit weight in the int4 kernel's packed layout, next to the module's own weight."""
+
+    def __init__(self, q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # (N, K/2) uint8
+        # the kernel's (K/32, N, 2): scale and zero, with weight = (q - 8) * scale + zero
+        self.scales_and_zeros = torch.stack((step, low + 8 * step), -1).transpose(0, 1).contiguous().to(dtype)
+        self.dtype = dtype
+
+    @staticmethod
+    def wanted(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """bfloat16 activations on a CPU with the kernel; float32 models stay exact and untouched."""
+        return KERNEL_AVAILABLE and dtype == torch.bfloat16 and weight.device.type == "cpu"
+
+    max_rows = INT4_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
