@@ -34,14 +34,24 @@ def force_decode_copies(on: bool) -> bool:
     return previous
 
 
+INT8_MAX = 127
+
+
+def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows,)), symmetric, round to nearest."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1) / INT8_MAX  # (rows,)
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale, q = 0
+    q = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
 class Int8DecodeWeight:
     """A weight as per-channel int8 (symmetric, one scale a row) for the int8 weight-only kernel."""
 
     max_rows = INT8_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        from runtime.layers.quantized import quantize_per_channel
-
         self.q, scales = quantize_per_channel(weight)
         self.scales = scales.to(dtype)
         self.dtype = dtype

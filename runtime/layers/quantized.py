@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.layers.decode_linear import INT8_MAX, force_decode_copies, quantize_per_channel
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
 
-INT8_MAX = 127
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as the int8 kernel takes them
 DEQUANT_MIN_ROWS = 128
 _dequant_min_rows = DEQUANT_MIN_ROWS
@@ -55,8 +55,6 @@ def kernel_path_only() -> Iterator[None]:
     """Every int8 and int4 matmul through its decode kernel (the `int8` format's and the decode copies of
     `runtime/layers/decode_linear.py`), whatever its row count, while inside: scores a whole text in one
     forward with decode's arithmetic (quality measurements). Not thread-safe; not for serving."""
-    from runtime.layers.decode_linear import force_decode_copies  # it imports this module
-
     global _dequant_min_rows
     previous, _dequant_min_rows = _dequant_min_rows, 2**62
     previous_forced = force_decode_copies(True)
@@ -70,15 +68,6 @@ def kernel_path_only() -> Iterator[None]:
 def _dense_in_own_dtype(x: torch.Tensor) -> bool:
     """Whether a dense matmul in x's dtype is fast: always but for bfloat16 on a CPU without bfloat16 units."""
     return x.dtype != torch.bfloat16 or x.device.type != "cpu" or CPU_HAS_BF16_UNITS
-
-
-def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows,)), symmetric, round to nearest."""
-    w = weight.float()
-    scales = w.abs().amax(dim=1) / INT8_MAX  # (rows,)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale, q = 0
-    q = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
 
 
 class _Int8Rows(nn.Module):

@@ -23,7 +23,7 @@ SLIPS = {
     "backend_cache": (backend_caches_swa_write_loc_by_address, ("kv_write", "foreign_slot_write"), None, " via "),
     "laundering": (lambda mp: loadback_compacts_without_hooks(mp, {}), ("register_mapping", "stale_loc"),
                    "scheduler", "found by the load-back at register_mapping"),
-    "padding": (padding_not_reset, ("kv_write", "foreign_slot_write"), "wide_decode", "a padded batch entry"),
+    "padding": (padding_not_reset, ("kv_write", "foreign_slot_write"), None, "a padded batch entry"),  # first replay that pads
     "window_early": (window_released_one_token_early, ("kv_read", "freed_slot_read"), "scheduler",
                      "_release_window via KVSlots.free_swa"),
     "partial_pages": (partial_pages_released, ("kv_read", "freed_slot_read"), None, "free_swa via PagedAllocator.free"),
