@@ -58,6 +58,11 @@ def start_prometheus(work: Path, target: str | None, scrape_configs: str | None 
         "scrape_configs:\n"
         + (scrape_configs or f"  - job_name: swa-runtime\n    static_configs: [{{targets: ['{target}']}}]\n")
     )
+    return launch_prometheus(binary, config, work)
+
+
+def launch_prometheus(binary: str, config: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    """Prometheus `binary` on a free loopback port with `config`, its data and log under `work`, once ready."""
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={work / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from live_helpers import free_port, stop, wait_for
+from live_helpers import free_port, launch_prometheus, stop, wait_for
 
 pytestmark = [pytest.mark.promtool, pytest.mark.slow]
 
@@ -44,17 +44,7 @@ def local_prometheus(work: Path, target: str) -> tuple[subprocess.Popen, str]:
     job["static_configs"] = [{"targets": [target]}]
     work.mkdir(parents=True, exist_ok=True)
     (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    proc = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}", f"--storage.tsdb.path={work / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                            stdout=(work / "prometheus.log").open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=1).status == 200, 30, "Prometheus ready")
-    except BaseException:
-        stop(proc)
-        raise
-    return proc, url
+    return launch_prometheus(binary, work / "prometheus.yml", work)
 
 
 def firing(prom_url: str) -> list[dict]:
