@@ -82,12 +82,23 @@ class _ImportVisitor(ast.NodeVisitor):
             self._add(node.lineno, sub if sub in self.known else base)
 
 
+def parse(path: Path) -> ast.Module:
+    """`ast.parse`, retried once: on Python 3.11 the AST converter's recursion counter is shared between
+    threads (gh-106905), so a traceback formatted by another thread at that moment (3.11 parses source for its
+    carets) fails this parse with a SystemError that says nothing about the file."""
+    source = path.read_text()
+    try:
+        return ast.parse(source, filename=str(path))
+    except SystemError:
+        return ast.parse(source, filename=str(path))
+
+
 def scan(root: Path) -> tuple[Import, ...]:
     modules = module_files(root)
     imports = []
     for module, path in modules.items():
         visitor = _ImportVisitor(module, path.name == "__init__.py", modules)
-        visitor.visit(ast.parse(path.read_text(), filename=str(path)))
+        visitor.visit(parse(path))
         file = str(path.relative_to(root))
         for line, target, function in visitor.found:
             imports.append(Import(module, file, line, target, function))
