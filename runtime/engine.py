@@ -14,6 +14,7 @@ from typing import Protocol
 import structlog
 import torch
 
+from runtime import kernels
 from runtime.config import EngineConfig
 from runtime.core import Req, SamplingParams, TokenLogprob
 from runtime.executor.forward_batch import ForwardBatch
@@ -64,6 +65,8 @@ class Engine:
             raise ValueError(f"the model given does not match the config's quantization={cfg.quantization!r}, "
                              f"compile_decode={cfg.compile_decode}: build it with load_model(..., quantization=..., "
                              "compile_layers=...)")
+        if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+            _load_cpu_kernels(progress)
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
@@ -255,3 +258,11 @@ def model_label(model: str) -> str:
 
     name = PurePath(str(model)).name
     return name.removesuffix(".gguf") or "unknown"
+
+
+def _load_cpu_kernels(progress: bool) -> None:
+    """Build (first start on a machine) or load the fused CPU kernels now, not inside the first request."""
+    if progress:
+        announce("fused CPU kernels: loading (built once per machine and CPU, ~30 s the first time)")
+    if kernels.load() is None and progress:
+        announce(f"fused CPU kernels unavailable, the torch path serves: {kernels.failure()}")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime import kernels
 from runtime.attention.base import AttentionBackend
 from runtime.attention.sliding_window import KVIndexList
 
@@ -55,6 +56,10 @@ class TorchNativeBackend(AttentionBackend):
 
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
         decode = self.batch.is_decode
+        fused = kernels.for_tensor(q) if decode and k_buf.dtype == q.dtype else None
+        if fused is not None:  # one pass over the keys in place, float32 (`runtime.kernels`)
+            return fused.decode_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, layer.scaling,
+                                          layer.logit_softcapping or 0.0)
         window = None if decode else layer.sliding_window
         plan = self._plans.get((id(keys), window))
         if plan is None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime import kernels
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`x * rsqrt(mean(x^2) + eps) * (1 + weight)` over the last dimension, in float32, cast back to x's dtype.
@@ -22,9 +24,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rms_norm_scaled(x, 1.0 + weight.float(), eps)
 
 
-def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_scaled(x: torch.Tensor, scale: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
     """`rms_norm` with its float32 multiplier `scale` = 1 + weight already made (see `RMSNorm.scale`): (dim,)
-    goes into the one call, per-head multipliers (heads, dim) follow it."""
+    goes into the one call, per-head multipliers (heads, dim) follow it. With `residual`, `residual + norm`
+    (the norm rounded to x's dtype first). A bfloat16 x on the CPU takes the fused kernel (`runtime.kernels`):
+    one pass, the same values but where float32 sums in another order move one across a rounding (rarely)."""
+    fused = kernels.for_tensor(x)
+    if fused is not None:
+        return fused.rms_norm(x.contiguous(), scale, eps, None if residual is None else residual.contiguous())
+    if residual is not None:
+        return residual + rms_norm_scaled(x, scale, eps)
     x32 = x.float()
     if scale.dim() == 1:
         return torch.rms_norm(x32, scale.shape, scale, eps).to(x.dtype)
@@ -64,8 +74,9 @@ class RMSNorm(nn.Module):
             self._scale_of = of
         return self._scale
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., dim)
-        return rms_norm_scaled(x, self.scale(), self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:  # (..., dim)
+        """The norm of x, added to `residual` when given (one pass in the fused kernel)."""
+        return rms_norm_scaled(x, self.scale(), self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

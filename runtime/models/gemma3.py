@@ -23,6 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from runtime import kernels
 from runtime.layers.activation import gelu_tanh_and_mul
 from runtime.layers.attention import Attention
 from runtime.layers.decode_linear import DecodeLinear
@@ -108,9 +109,13 @@ class Gemma3Attention(nn.Module):
         """q (T, H, D), k (T, Hkv, D) normed and rotated, and v (T, Hkv, D), from x (T, hidden)."""
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # (T, (H + 2 Hkv) D)
-        qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q heads, then k heads
-        # One norm and one rotation for all q and k heads; each head keeps its own norm weight.
-        qk = apply_rotary(rms_norm_scaled(qk, self._qk_scale(), self.q_norm.eps), cos, sin)  # (T, H+Hkv, D)
+        fused = kernels.for_tensor(qkv)
+        if fused is not None:  # norm and rotation in one pass (`runtime.kernels`)
+            qk = fused.qk_norm_rope(qkv, H + Hkv, self._qk_scale(), cos, sin, self.q_norm.eps)
+        else:
+            qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)  # q heads, then k heads
+            # One norm and one rotation for all q and k heads; each head keeps its own norm weight.
+            qk = apply_rotary(rms_norm_scaled(qk, self._qk_scale(), self.q_norm.eps), cos, sin)  # (T, H+Hkv, D)
         v = qkv[:, (H + Hkv) * D:].view(T, Hkv, D)
         return qk[:, :H], qk[:, H:], v
 
@@ -153,8 +158,8 @@ class Gemma3DecoderLayer(nn.Module):
         return self.self_attn.project(self.input_layernorm(h), cos, sin)  # q, k, v
 
     def _post_attention(self, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:  # (T, hidden), (T, H*D)
-        h = h + self.post_attention_layernorm(self.self_attn.o_proj(attn_out))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        h = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual=h)  # h + norm(o)
+        return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)), residual=h)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, hidden)
         q, k, v = self._pre(h, cos, sin)

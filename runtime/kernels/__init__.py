@@ -1,0 +1,96 @@
+"""Fused CPU kernels for a bfloat16 model's decode, compiled on this machine at first use.
+
+At batch 1 a Gemma 3 270M decode step spent more time in small operations than in its weights: an RMSNorm
+was six torch operations (about 36 us where its arithmetic takes 2), the q/k norm and rotation ten, and the
+attention of one query copied every key and value it read before two batched matmuls (about 380 us a layer).
+`cpu_kernels.cpp` does each of those in one pass: RMSNorm (with the residual add that follows it), per-head
+q/k norm with the rotary embedding, and decode attention reading the KV pool in place.
+
+The kernels serve bfloat16 models only (`for_tensor`): float32 keeps the torch path, bit for bit the
+reference's (its oracle tests are token-exact). Their float32 arithmetic rounds where the torch path rounds,
+so they differ from it by the order of float32 sums (and by attention in float32 where the torch path
+multiplies in bfloat16 from three requests on).
+
+The extension is built once per source and CPU (`-march=native`: a cache shared by machines with different
+CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about 30 s with torch's
+headers, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
+`SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+ENV_SWITCH = "SWA_RUNTIME_CPU_KERNELS"
+
+_lock = threading.Lock()
+_module = None
+_failure: str | None = None
+
+
+def _cpu_fingerprint() -> str:
+    """The CPU's model and feature flags: what `-march=native` compiles for."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown"
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), _cpu_fingerprint().encode(), torch.__version__.encode()):
+        digest.update(part)
+    return f"swa_cpu_kernels_{digest.hexdigest()[:16]}"
+
+
+def load() -> object | None:
+    """The compiled kernels, building them on first use; None when they cannot be had (`failure()` says why)."""
+    global _module, _failure
+    if _module is not None or _failure is not None:
+        return _module
+    with _lock:
+        if _module is not None or _failure is not None:
+            return _module
+        if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
+            _failure = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
+            return None
+        from runtime.models.registry import cache_dir
+
+        build_dir = cache_dir() / "kernels" / _build_name()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            if not (build_dir / f"{build_dir.name}.so").exists():
+                log.info("building the fused CPU kernels (once per machine, ~30 s) in %s", build_dir)
+            _module = load_extension(
+                name=build_dir.name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
+        except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a failed build: the torch path serves)
+            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            log.warning("fused CPU kernels unavailable, the torch path serves: %s", _failure)
+        return _module
+
+
+def failure() -> str | None:
+    """Why `load()` returned None (after it did)."""
+    return _failure
+
+
+def for_tensor(x: torch.Tensor):
+    """The kernels when an operation on `x` should take them (bfloat16 on the CPU, outside autograd and
+    compilers, and built), else None."""
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    return load()
