@@ -171,63 +171,6 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, int64_t heads, torch::Tensor scale
   return y;
 }
 
-// ---- int8 weights, few rows --------------------------------------------------------------------------------
-// y (M, N) = x (M, K) @ (q (N, K) int8 * scales (N,) float32)^T for decode's few rows: each weight row is read
-// once for all M rows of x (float32 in registers), so the pass over the weights is the cost.
-
-template <typename T, int M>
-void int8_rows(const float* x, const int8_t* q, const float* scales, T* y, int64_t N, int64_t K, int64_t n0,
-               int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* qr = q + n * K;
-    float acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = 0.f;
-    for (int m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float s = 0.f;
-#pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < K; ++k) s += xm[k] * static_cast<float>(qr[k]);
-      acc[m] = s;
-    }
-    for (int m = 0; m < M; ++m) store(y + m * N, n, acc[m] * scales[n]);
-  }
-}
-
-torch::Tensor int8_matmul(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
-  check_float_or_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "x must be (M, K) with M in 1..4");
-  TORCH_CHECK(q.scalar_type() == torch::kChar && q.is_contiguous() && q.dim() == 2 && q.size(1) == x.size(1),
-              "q must be contiguous int8 (N, K)");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == q.size(0),
-              "scales must be contiguous float32 (N,)");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  auto xf = x.to(torch::kFloat).contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (x.scalar_type() == torch::kBFloat16) {
-      bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-      switch (M) {
-        case 1: int8_rows<bf16, 1>(xp, qp, sp, yp, N, K, n0, n1); break;
-        case 2: int8_rows<bf16, 2>(xp, qp, sp, yp, N, K, n0, n1); break;
-        case 3: int8_rows<bf16, 3>(xp, qp, sp, yp, N, K, n0, n1); break;
-        default: int8_rows<bf16, 4>(xp, qp, sp, yp, N, K, n0, n1); break;
-      }
-    } else {
-      float* yp = y.data_ptr<float>();
-      switch (M) {
-        case 1: int8_rows<float, 1>(xp, qp, sp, yp, N, K, n0, n1); break;
-        case 2: int8_rows<float, 2>(xp, qp, sp, yp, N, K, n0, n1); break;
-        case 3: int8_rows<float, 3>(xp, qp, sp, yp, N, K, n0, n1); break;
-        default: int8_rows<float, 4>(xp, qp, sp, yp, N, K, n0, n1); break;
-      }
-    }
-  });
-  return y;
-}
-
 // ---- decode attention ---------------------------------------------------------------------------------------
 // One query per request: q (B, H, D); keys and values read in place from the pool, k_buf/v_buf (S, Hkv, D), at
 // the slots indices[indptr[b]:indptr[b+1]] of request b. Query head h reads kv head h / (H / Hkv). Each
@@ -366,6 +309,5 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally added to a residual");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head RMSNorm then rotary embedding");
-  m.def("int8_matmul", &int8_matmul, "x @ (q * scales)^T for up to 4 rows");
   m.def("decode_attention", &decode_attention, "one query per request over keys read in place");
 }
