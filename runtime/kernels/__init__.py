@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from runtime.paths import cache_dir
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
@@ -65,8 +67,6 @@ def load() -> object | None:
         if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
             _failure = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             return None
-        from runtime.models.registry import cache_dir
-
         build_dir = cache_dir() / "kernels" / _build_name()
         build_dir.mkdir(parents=True, exist_ok=True)
         try:

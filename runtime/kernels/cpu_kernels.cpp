@@ -53,6 +53,17 @@ void check_float_or_bf16(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
 }
 
+template <typename T>
+inline float inverse_rms(const T* x, int64_t D, float eps) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t d = 0; d < D; ++d) {
+    const float v = load(x, d);
+    ss += v * v;
+  }
+  return 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+}
+
 // ---- RMSNorm ------------------------------------------------------------------------------------------------
 // rows (R, D) -> y = x * rsqrt(mean(x^2) + eps) * scale, scale (D,) or (heads, D) for rows of heads; with a
 // residual r, y = r + round(y) (the torch path rounds the norm's output before adding it).
@@ -63,13 +74,7 @@ void rms_rows(const T* x, const float* scale, int64_t scale_rows, const T* resid
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) {
-        float v = load(xr, d);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      const float inv = inverse_rms(xr, D, eps);
       const float* sc = scale + (r % scale_rows) * D;
       T* yr = y + r * D;
       if (residual == nullptr) {
@@ -124,13 +129,7 @@ void qk_rows(const T* x, int64_t row_stride, const float* scale, const float* co
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / heads, h = i % heads;
       const T* xr = x + t * row_stride + h * D;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t d = 0; d < D; ++d) {
-        float v = load(xr, d);
-        ss += v * v;
-      }
-      const float inv = 1.f / std::sqrt(ss / static_cast<float>(D) + eps);
+      const float inv = inverse_rms(xr, D, eps);
       const float* sc = scale + h * D;
       for (int64_t d = 0; d < D; ++d) {
         float v = load(xr, d) * inv * sc[d];

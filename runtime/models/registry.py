@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from runtime.models.config import Gemma3Config
+from runtime.paths import cache_dir
 
 DEFAULT_MODEL = "gemma3-270m"
 TINY_MODEL = "tiny"
@@ -28,15 +29,6 @@ class ModelSource:
     path: Path | None = None
     config: Gemma3Config | None = None  # tiny only: the weights are drawn from `seed`
     seed: int = TINY_SEED
-
-
-def cache_dir() -> Path:
-    """`$SWA_RUNTIME_CACHE_DIR`, else `$XDG_CACHE_HOME/swa-runtime`, else `~/.cache/swa-runtime`."""
-    explicit = os.environ.get("SWA_RUNTIME_CACHE_DIR")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "swa-runtime"
 
 
 def resolve_model(name: str | os.PathLike[str]) -> ModelSource:
