@@ -68,16 +68,17 @@ def load() -> object | None:
             _failure = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             return None
         build_dir = cache_dir() / "kernels" / _build_name()
-        build_dir.mkdir(parents=True, exist_ok=True)
         try:
+            build_dir.mkdir(parents=True, exist_ok=True)
             from torch.utils.cpp_extension import load as load_extension
 
             if not (build_dir / f"{build_dir.name}.so").exists():
                 log.info("building the fused CPU kernels (once per machine, ~30 s) in %s", build_dir)
             _module = load_extension(
                 name=build_dir.name, sources=[str(SOURCE)], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"], verbose=False)
-        except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, a failed build: the torch path serves)
+                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+        except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, an unwritable cache, a failed build)
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             log.warning("fused CPU kernels unavailable, the torch path serves: %s", _failure)
         return _module

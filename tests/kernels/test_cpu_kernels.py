@@ -134,9 +134,26 @@ def test_bad_input_is_refused_with_a_message(K):
         K.rms_norm(torch.zeros(2, 8).bfloat16(), torch.ones(4), 1e-6, None)
 
 
-def test_switched_off_the_torch_path_serves_and_says_why():
+def _load_in_subprocess(**env: str) -> list[str]:
     code = ("from runtime import kernels; import torch; "
-            "print(kernels.load() is None, kernels.for_tensor(torch.zeros(1).bfloat16()) is None, kernels.failure())")
-    env = dict(os.environ, SWA_RUNTIME_CPU_KERNELS="off")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["True", "True", "SWA_RUNTIME_CPU_KERNELS=off"]
+            "print(kernels.load() is None, kernels.for_tensor(torch.zeros(1).bfloat16()) is None); "
+            "print(kernels.failure())")
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **env), capture_output=True, text=True,
+                         check=True, timeout=300).stdout
+    return out.splitlines()
+
+
+def test_switched_off_the_torch_path_serves_and_says_why():
+    assert _load_in_subprocess(SWA_RUNTIME_CPU_KERNELS="off") == ["True True", "SWA_RUNTIME_CPU_KERNELS=off"]
+
+
+def test_without_a_working_compiler_the_torch_path_serves_and_says_why(tmp_path):
+    flag, why = _load_in_subprocess(SWA_RUNTIME_CACHE_DIR=str(tmp_path), CXX="/bin/false")
+    assert flag == "True True" and "Error" in why, why
+
+
+def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")  # the cache "directory" is a file: nothing can be made under it
+    flag, why = _load_in_subprocess(SWA_RUNTIME_CACHE_DIR=str(blocker))
+    assert flag == "True True" and "Error" in why, why
