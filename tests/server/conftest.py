@@ -72,7 +72,12 @@ def start_server(engine: Engine, shutdown_timeout_s: float = 5.0, logger=None, o
     engine_loop = EngineLoop(engine, max_queued_requests=opts.max_queued_requests, log_requests=opts.log_requests,
                              logger=logger)
     app = create_app(engine_loop, model_name="tiny", options=opts, openai=openai, chat_prompt=chat_prompt)
-    server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
+    server, thread, url = run_in_thread(uvicorn.Server(uvicorn_config(app, opts, log_level="warning")))
+    return LiveServer(url, engine, engine_loop, server, thread)
+
+
+def run_in_thread(server: uvicorn.Server) -> tuple[uvicorn.Server, threading.Thread, str]:
+    """Start `server` (bound to port 0) in a daemon thread; returns it, the thread and its URL once it listens."""
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -80,7 +85,7 @@ def start_server(engine: Engine, shutdown_timeout_s: float = 5.0, logger=None, o
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     host, port = server.servers[0].sockets[0].getsockname()[:2]
-    return LiveServer(f"http://{host}:{port}", engine, engine_loop, server, thread)
+    return server, thread, f"http://{host}:{port}"
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from conftest import sse_events
+from conftest import run_in_thread, sse_events
 
 from runtime.config import EngineConfig
 from runtime.core import SamplingParams
@@ -34,16 +34,9 @@ class ProcessServer:
         self.engine = EngineProcess(CFG, load_tokenizer("tiny"))
         self.engine.start()
         opts = ServerOptions(port=0, shutdown_timeout_s=5.0)
-        self.server = uvicorn.Server(uvicorn_config(create_app(self.engine, model_name="tiny", options=opts), opts,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        app = create_app(self.engine, model_name="tiny", options=opts)
+        server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
+        self.server, self.thread, self.url = run_in_thread(server)
 
     def stop(self):
         self.server.should_exit = True

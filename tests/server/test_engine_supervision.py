@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 import uvicorn
-from conftest import sse_events
+from conftest import run_in_thread, sse_events
 from live_helpers import free_port
 
 from runtime.config import EngineConfig
@@ -43,15 +43,8 @@ class SupervisedServer:
         self.stats = FrontEndStats()
         opts = ServerOptions(port=0, shutdown_timeout_s=2.0, **options)
         app = create_app(self.engine, model_name="tiny", options=opts, front_end_stats=self.stats)
-        self.server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline
-            time.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
+        server = uvicorn.Server(uvicorn_config(app, opts, log_level="warning"))
+        self.server, self.thread, self.url = run_in_thread(server)
         self.gave_up: list[str] = []
         self.supervisor = EngineSupervisor(self.engine, self.stats, policy, on_give_up=self.gave_up.append)
         self.supervisor.start()

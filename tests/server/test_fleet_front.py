@@ -3,13 +3,11 @@ are forwarded (streams included), foreign sites get 403, every other route 404 a
 
 from __future__ import annotations
 
-import threading
-import time
 
 import httpx
 import pytest
 import uvicorn
-from conftest import sse_events
+from conftest import run_in_thread, sse_events
 
 from runtime.fleet_front import create_front
 from runtime.server.site_guard import SitePolicy
@@ -19,16 +17,9 @@ BODY = {"input_ids": [2, 40, 41, 42], "sampling_params": {"max_new_tokens": 5, "
 
 @pytest.fixture(scope="module")
 def front(live):
-    server = uvicorn.Server(uvicorn.Config(create_front(live.url, SitePolicy()), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline
-        time.sleep(0.02)
-    host, port = server.servers[0].sockets[0].getsockname()[:2]
-    yield f"http://{host}:{port}"
+    server, thread, url = run_in_thread(uvicorn.Server(uvicorn.Config(
+        create_front(live.url, SitePolicy()), host="127.0.0.1", port=0, log_level="warning", lifespan="on")))
+    yield url
     server.should_exit = True
     thread.join(10)
 
