@@ -170,6 +170,145 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, int64_t heads, torch::Tensor scale
   return y;
 }
 
+// ---- int8 projections at decode sizes (AVX512-VNNI) --------------------------------------------------------
+// y (M, N) = x (M, K) @ (w (N, K) * scales (N,))^T with w per-channel int8, for M <= 4 rows. The activations
+// are quantised per block of 32 values (symmetric int8, one float scale a block, as llama.cpp's Q8 blocks),
+// so each 64-byte line of weights is one `vpdpbusd` (16 rows x 4 values): few instructions per byte, so the
+// pass over the weights runs at the memory's pace (torch's int8 kernel converts every weight to float and
+// streamed at half of it). Weights are packed once (`pack_int8_vnni`): groups of 16 rows, 4 consecutive
+// values of each row in turn, stored as w + 128 (unsigned, what the instruction's first operand takes); the
+// 128 comes back out through each activation block's sum.
+
+constexpr int64_t kBlock = 32;
+
+torch::Tensor pack_int8_vnni(torch::Tensor w) {
+  TORCH_CHECK(w.scalar_type() == torch::kChar && w.dim() == 2 && w.is_contiguous(), "w must be contiguous int8 (N, K)");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(N % 16 == 0 && K % kBlock == 0, "N must be a multiple of 16 and K of 32");
+  auto out = torch::empty({N * K}, torch::kByte);
+  const int8_t* src = w.data_ptr<int8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t j = 0; j < K / 4; ++j) {
+        uint8_t* line = dst + (g * (K / 4) + j) * 64;
+        for (int64_t r = 0; r < 16; ++r) {
+          for (int64_t t = 0; t < 4; ++t) {
+            line[r * 4 + t] = static_cast<uint8_t>(static_cast<int>(src[(g * 16 + r) * K + j * 4 + t]) + 128);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#include <immintrin.h>
+
+constexpr bool kHasVnni = true;
+
+template <typename T, int M>
+void vnni_rows(const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xsum, const float* scales, T* y,
+               int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* wg = w + g * (K / 4) * 64;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i dot[M];
+      for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < kBlock / 4; ++j) {
+        const __m512i wl = _mm512_loadu_si512(wg + (b * (kBlock / 4) + j) * 64);
+        for (int m = 0; m < M; ++m) {
+          int32_t quad;
+          std::memcpy(&quad, xq + m * K + b * kBlock + j * 4, 4);
+          dot[m] = _mm512_dpbusd_epi32(dot[m], wl, _mm512_set1_epi32(quad));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512i exact = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(128 * xsum[m * blocks + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xs[m * blocks + b]), acc[m]);
+      }
+    }
+    const __m512 sc = _mm512_loadu_ps(scales + g * 16);
+    for (int m = 0; m < M; ++m) {
+      alignas(64) float out[16];
+      _mm512_store_ps(out, _mm512_mul_ps(acc[m], sc));
+      for (int r = 0; r < 16; ++r) store(y + m * N, g * 16 + r, out[r]);
+    }
+  }
+}
+
+torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "x must be (M, K) with M in 1..4");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() % K == 0,
+              "packed must come from pack_int8_vnni");
+  const int64_t N = packed.numel() / K;
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == N,
+              "scales must be contiguous float32 (N,)");
+  const int64_t blocks = K / kBlock;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xs(M * blocks);
+  std::vector<int32_t> xsum(M * blocks);
+  const bool x16 = x.scalar_type() == torch::kBFloat16;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      float v[kBlock], top = 0.f;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int64_t k = m * K + b * kBlock + i;
+        v[i] = x16 ? load(reinterpret_cast<const bf16*>(x.data_ptr()), k) : x.data_ptr<float>()[k];
+        top = std::max(top, std::fabs(v[i]));
+      }
+      const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < kBlock; ++i) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(v[i] * inv));
+        xq[m * K + b * kBlock + i] = static_cast<int8_t>(q);
+        sum += q;
+      }
+      xs[m * blocks + b] = scale;
+      xsum[m * blocks + b] = sum;
+    }
+  }
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = packed.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  at::parallel_for(0, N / 16, 8, [&](int64_t g0, int64_t g1) {
+    if (x16) {
+      bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
+      switch (M) {
+        case 1: vnni_rows<bf16, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 2: vnni_rows<bf16, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 3: vnni_rows<bf16, 3>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<bf16, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+      }
+    } else {
+      float* yp = y.data_ptr<float>();
+      switch (M) {
+        case 1: vnni_rows<float, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 2: vnni_rows<float, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 3: vnni_rows<float, 3>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<float, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+      }
+    }
+  });
+  return y;
+}
+#else
+constexpr bool kHasVnni = false;
+
+torch::Tensor int8_vnni_matmul(torch::Tensor, torch::Tensor, torch::Tensor) {
+  TORCH_CHECK(false, "built without AVX512-VNNI: int8_vnni_matmul is unavailable (see has_vnni)");
+}
+#endif
+
+bool has_vnni() { return kHasVnni; }
+
 // ---- decode attention ---------------------------------------------------------------------------------------
 // One query per request: q (B, H, D); keys and values read in place from the pool, k_buf/v_buf (S, Hkv, D), at
 // the slots indices[indptr[b]:indptr[b+1]] of request b. Query head h reads kv head h / (H / Hkv). Each
@@ -308,5 +447,8 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_buf, torch::Tens
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of rows, optionally added to a residual");
   m.def("qk_norm_rope", &qk_norm_rope, "per-head RMSNorm then rotary embedding");
+  m.def("pack_int8_vnni", &pack_int8_vnni, "int8 (N, K) weights in int8_vnni_matmul's layout");
+  m.def("int8_vnni_matmul", &int8_vnni_matmul, "x @ (w * scales)^T, activations in int8 blocks of 32");
+  m.def("has_vnni", &has_vnni, "whether int8_vnni_matmul was built (AVX512-VNNI)");
   m.def("decode_attention", &decode_attention, "one query per request over keys read in place");
 }

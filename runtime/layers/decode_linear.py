@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime import kernels
 from runtime.layers.int4 import Int4Weight, int4_grid
 from runtime.layers.linear import Linear, linear
 
@@ -47,20 +48,42 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8DecodeWeight:
-    """A weight as per-channel int8 (symmetric, one scale a row) for the int8 weight-only kernel."""
+    """A weight as per-channel int8 (symmetric, one scale a row). Where the fused CPU kernels have AVX512-VNNI
+    (`runtime.kernels`), packed for their int8 kernel, which quantises the activations per block of 32 and
+    streams the weights at 1.3-1.45x the pace of torch's `_weight_int8pack_mm` (15-16.5 against 11.5 GB/s
+    from memory, one row, 2 threads, on the Xeon of this work); else on that torch kernel."""
 
     max_rows = INT8_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self.q, scales = quantize_per_channel(weight)
-        self.scales = scales.to(dtype)
+        q, scales = quantize_per_channel(weight)
         self.dtype = dtype
+        self.vnni = _vnni_kernels(q)
+        if self.vnni is not None:
+            self.q, self.scales = self.vnni.pack_int8_vnni(q), scales  # float32 scales
+        else:
+            self.q, self.scales = q, scales.to(dtype)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        if self.vnni is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+        if x.shape[0] <= VNNI_MAX_ROWS:
+            return self.vnni.int8_vnni_matmul(x.contiguous(), self.q, self.scales)
+        return torch.cat([self.matmul(x[i:i + VNNI_MAX_ROWS]) for i in range(0, x.shape[0], VNNI_MAX_ROWS)])
 
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
+
+
+VNNI_MAX_ROWS = 4  # the kernel's limit; more rows (quality scoring only) go through it four at a time
+
+
+def _vnni_kernels(q: torch.Tensor):
+    """The fused kernels when they hold the VNNI int8 kernel and `q` (N, K) fits its layout, else None."""
+    module = kernels.load()
+    if module is None or not module.has_vnni() or q.shape[0] % 16 or q.shape[1] % 32:
+        return None
+    return module
 
 
 def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:

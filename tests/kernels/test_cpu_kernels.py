@@ -157,3 +157,44 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path):
     blocker.write_text("")  # the cache "directory" is a file: nothing can be made under it
     flag, why = _load_in_subprocess(SWA_RUNTIME_CACHE_DIR=str(blocker))
     assert flag == "True True" and "Error" in why, why
+
+
+def _blockwise_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x (M, K) quantised per block of 32 (symmetric int8, round half to even), times int8 q (N, K), in exact
+    integer sums per block, then the two scales: what the VNNI kernel computes, written out in torch."""
+    M, K = x.shape
+    xb = x.float().view(M, K // 32, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    inverse = torch.full_like(top, 127.0) / top  # a true division (`127 / top` multiplies by a reciprocal)
+    xq = torch.round(xb * torch.where(top > 0, inverse, torch.zeros_like(top)))  # (M, B, 32), ties to even
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(q.shape[0], K // 32, 32).double())  # exact integers
+    return (dots * (top / 127).double().view(M, 1, -1)).sum(-1) * scales.double()  # (M, N)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_int8_vnni_matmul_is_blockwise_int8_arithmetic(K, rows):
+    if not K.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: the int8 decode copies use torch's kernel")
+    torch.manual_seed(rows)
+    N, Kd = 64, 640
+    q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
+    scales = torch.rand(N) / 100
+    x = torch.randn(rows, Kd)
+    x[0, :32] = 0  # an all-zero block: scale 0, no division by it
+    out = K.int8_vnni_matmul(x, K.pack_int8_vnni(q), scales)
+    torch.testing.assert_close(out.double(), _blockwise_reference(x, q, scales), rtol=1e-5, atol=1e-5)
+    out16 = K.int8_vnni_matmul(x.bfloat16(), K.pack_int8_vnni(q), scales)
+    torch.testing.assert_close(out16.double(), _blockwise_reference(x.bfloat16(), q, scales), rtol=2 ** -8, atol=1e-3)
+    # and close to the unquantised product: the activations' blocks cost about 0.5% (relative norm)
+    exact = x.double() @ (q.double() * scales.double()[:, None]).T
+    assert (out.double() - exact).norm() / exact.norm() < 0.02
+
+
+def test_int8_vnni_refuses_what_it_cannot_pack(K):
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        K.pack_int8_vnni(torch.zeros(10, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="int8"):
+        K.pack_int8_vnni(torch.zeros(16, 64))
+    if K.has_vnni():
+        with pytest.raises(RuntimeError, match="1..4"):
+            K.int8_vnni_matmul(torch.zeros(5, 64), K.pack_int8_vnni(torch.zeros(16, 64, dtype=torch.int8)), torch.ones(16))
