@@ -208,35 +208,54 @@ torch::Tensor pack_int8_vnni(torch::Tensor w) {
 
 constexpr bool kHasVnni = true;
 
-template <typename T, int M>
+// S streams: the thread's groups split into S runs walked in lockstep, so that S separate streams of weights
+// are in flight: one stream per core read at about half the memory's pace here (16 GB/s for a 168 MB head
+// with 2 threads), four at 40 GB/s. Four for one or two rows, two beyond (the registers run out).
+template <typename T, int M, int S>
 void vnni_rows(const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xsum, const float* scales, T* y,
                int64_t N, int64_t K, int64_t g0, int64_t g1) {
   const int64_t blocks = K / kBlock;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* wg = w + g * (K / 4) * 64;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  const int64_t per = (g1 - g0 + S - 1) / S;
+  for (int64_t i = 0; i < per; ++i) {
+    int64_t gs[S];
+    int live = 0;
+    for (int st = 0; st < S; ++st) {
+      const int64_t g = g0 + st * per + i;
+      if (g < g1) gs[live++] = g;
+    }
+    __m512 acc[S][M];
+    for (int st = 0; st < live; ++st)
+      for (int m = 0; m < M; ++m) acc[st][m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512i dot[M];
-      for (int m = 0; m < M; ++m) dot[m] = _mm512_setzero_si512();
+      __m512i dot[S][M];
+      for (int st = 0; st < live; ++st)
+        for (int m = 0; m < M; ++m) dot[st][m] = _mm512_setzero_si512();
       for (int64_t j = 0; j < kBlock / 4; ++j) {
-        const __m512i wl = _mm512_loadu_si512(wg + (b * (kBlock / 4) + j) * 64);
+        __m512i xb[M];
         for (int m = 0; m < M; ++m) {
           int32_t quad;
           std::memcpy(&quad, xq + m * K + b * kBlock + j * 4, 4);
-          dot[m] = _mm512_dpbusd_epi32(dot[m], wl, _mm512_set1_epi32(quad));
+          xb[m] = _mm512_set1_epi32(quad);
+        }
+        for (int st = 0; st < live; ++st) {
+          const __m512i wl = _mm512_loadu_si512(w + (gs[st] * (K / 4) + b * (kBlock / 4) + j) * 64);
+          for (int m = 0; m < M; ++m) dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], wl, xb[m]);
         }
       }
       for (int m = 0; m < M; ++m) {
-        const __m512i exact = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(128 * xsum[m * blocks + b]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(xs[m * blocks + b]), acc[m]);
+        const __m512i corr = _mm512_set1_epi32(128 * xsum[m * blocks + b]);
+        const __m512 sx = _mm512_set1_ps(xs[m * blocks + b]);
+        for (int st = 0; st < live; ++st)
+          acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
       }
     }
-    const __m512 sc = _mm512_loadu_ps(scales + g * 16);
-    for (int m = 0; m < M; ++m) {
-      alignas(64) float out[16];
-      _mm512_store_ps(out, _mm512_mul_ps(acc[m], sc));
-      for (int r = 0; r < 16; ++r) store(y + m * N, g * 16 + r, out[r]);
+    for (int st = 0; st < live; ++st) {
+      const __m512 sc = _mm512_loadu_ps(scales + gs[st] * 16);
+      for (int m = 0; m < M; ++m) {
+        alignas(64) float out[16];
+        _mm512_store_ps(out, _mm512_mul_ps(acc[st][m], sc));
+        for (int r = 0; r < 16; ++r) store(y + m * N, gs[st] * 16 + r, out[r]);
+      }
     }
   }
 }
@@ -282,18 +301,18 @@ torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Ten
     if (x16) {
       bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
       switch (M) {
-        case 1: vnni_rows<bf16, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 2: vnni_rows<bf16, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 3: vnni_rows<bf16, 3>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<bf16, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 1: vnni_rows<bf16, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 2: vnni_rows<bf16, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 3: vnni_rows<bf16, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<bf16, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
       }
     } else {
       float* yp = y.data_ptr<float>();
       switch (M) {
-        case 1: vnni_rows<float, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 2: vnni_rows<float, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 3: vnni_rows<float, 3>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<float, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 1: vnni_rows<float, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 2: vnni_rows<float, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 3: vnni_rows<float, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<float, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
       }
     }
   });

@@ -56,13 +56,30 @@ class Int8DecodeWeight:
     max_rows = INT8_MAX_ROWS
 
     def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        q, scales = quantize_per_channel(weight)
+        self._hold(*quantize_per_channel(weight), dtype)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> "Int8DecodeWeight":
+        """From int8 rows and their float32 scales already made."""
+        made = cls.__new__(cls)
+        made._hold(q, scales, dtype)
+        return made
+
+    def _hold(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.vnni = _vnni_kernels(q)
+        self.vnni = self.vnni_for(q)
         if self.vnni is not None:
-            self.q, self.scales = self.vnni.pack_int8_vnni(q), scales  # float32 scales
+            self.q, self.scales = self.vnni.pack_int8_vnni(q), scales.float()
         else:
             self.q, self.scales = q, scales.to(dtype)
+
+    @staticmethod
+    def vnni_for(q: torch.Tensor):
+        """The fused kernels when they hold the VNNI int8 kernel and `q` (N, K) fits its layout, else None."""
+        module = kernels.load()
+        if module is None or not module.has_vnni() or q.shape[0] % 16 or q.shape[1] % 32:
+            return None
+        return module
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         if self.vnni is None:
@@ -76,14 +93,6 @@ class Int8DecodeWeight:
 
 
 VNNI_MAX_ROWS = 4  # the kernel's limit; more rows (quality scoring only) go through it four at a time
-
-
-def _vnni_kernels(q: torch.Tensor):
-    """The fused kernels when they hold the VNNI int8 kernel and `q` (N, K) fits its layout, else None."""
-    module = kernels.load()
-    if module is None or not module.has_vnni() or q.shape[0] % 16 or q.shape[1] % 32:
-        return None
-    return module
 
 
 def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runtime.layers.decode_linear import INT8_MAX, force_decode_copies, quantize_per_channel
+from runtime.layers.decode_linear import INT8_MAX, Int8DecodeWeight, force_decode_copies, quantize_per_channel
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
 
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as the int8 kernel takes them
@@ -162,6 +162,13 @@ class DynamicInt8Weight:
 
     def __init__(self, weight: torch.Tensor) -> None:
         q, scales = quantize_per_channel(weight)
+        self.packed = None
+        # Where the CPU has AVX512-VNNI, our kernel (activations in int8 blocks of 32, not one scale a call):
+        # the 168 MB head of Gemma 3 270M at one row in 4.2 against 5.2 ms (`runtime/layers/decode_linear.py`).
+        self.vnni_weight = (Int8DecodeWeight.from_quantized(q, scales, torch.bfloat16)
+                            if Int8DecodeWeight.vnni_for(q) is not None else None)
+        if self.vnni_weight is not None:
+            return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
         with warnings.catch_warnings():  # the quantized tensor API warns that it is deprecated
             warnings.simplefilter("ignore", UserWarning)
@@ -183,6 +190,8 @@ class DynamicInt8Weight:
                 and not torch.compiler.is_compiling())
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) float32
+        if self.vnni_weight is not None:
+            return self.vnni_weight.matmul(x2.float())
         return torch.ops.quantized.linear_dynamic(x2.float(), self.packed, REDUCE_RANGE)
 
 
