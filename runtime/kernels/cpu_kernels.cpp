@@ -171,7 +171,7 @@ torch::Tensor qk_norm_rope(torch::Tensor qkv, int64_t heads, torch::Tensor scale
 }
 
 // ---- int8 projections at decode sizes (AVX512-VNNI) --------------------------------------------------------
-// y (M, N) = x (M, K) @ (w (N, K) * scales (N,))^T with w per-channel int8, for M <= 4 rows. The activations
+// y (M, N) = x (M, K) @ (w (N, K) * scales (N,))^T with w per-channel int8, for M <= 8 rows. The activations
 // are quantised per block of 32 values (symmetric int8, one float scale a block, as llama.cpp's Q8 blocks),
 // so each 64-byte line of weights is one `vpdpbusd` (16 rows x 4 values): few instructions per byte, so the
 // pass over the weights runs at the memory's pace (torch's int8 kernel converts every weight to float and
@@ -210,7 +210,7 @@ constexpr bool kHasVnni = true;
 
 // S streams: the thread's groups split into S runs walked in lockstep, so that S separate streams of weights
 // are in flight: one stream per core read at about half the memory's pace here (16 GB/s for a 168 MB head
-// with 2 threads), four at 40 GB/s. Four for one or two rows, two beyond (the registers run out).
+// with 2 threads), four at 40 GB/s. Four for one or two rows, two for three or four, one beyond (registers).
 template <typename T, int M, int S>
 void vnni_rows(const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xsum, const float* scales, T* y,
                int64_t N, int64_t K, int64_t g0, int64_t g1) {
@@ -262,7 +262,7 @@ void vnni_rows(const uint8_t* w, const int8_t* xq, const float* xs, const int32_
 
 torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
   check_float_or_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 4, "x must be (M, K) with M in 1..4");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (M, K) with M in 1..8");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kBlock == 0, "K must be a multiple of 32");
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() % K == 0,
@@ -304,7 +304,11 @@ torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Ten
         case 1: vnni_rows<bf16, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
         case 2: vnni_rows<bf16, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
         case 3: vnni_rows<bf16, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<bf16, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 4: vnni_rows<bf16, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 5: vnni_rows<bf16, 5, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 6: vnni_rows<bf16, 6, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 7: vnni_rows<bf16, 7, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<bf16, 8, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
       }
     } else {
       float* yp = y.data_ptr<float>();
@@ -312,7 +316,11 @@ torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Ten
         case 1: vnni_rows<float, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
         case 2: vnni_rows<float, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
         case 3: vnni_rows<float, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<float, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 4: vnni_rows<float, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 5: vnni_rows<float, 5, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 6: vnni_rows<float, 6, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        case 7: vnni_rows<float, 7, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
+        default: vnni_rows<float, 8, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
       }
     }
   });

@@ -92,7 +92,7 @@ class Int8DecodeWeight:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-VNNI_MAX_ROWS = 4  # the kernel's limit; more rows (quality scoring only) go through it four at a time
+VNNI_MAX_ROWS = 8  # the kernel's limit; more rows (quality scoring only) go through it eight at a time
 
 
 def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:
