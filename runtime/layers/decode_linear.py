@@ -68,8 +68,8 @@ class Int8DecodeWeight:
     def _hold(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.vnni = self.vnni_for(q)
-        if self.vnni is not None:
-            self.q, self.scales = self.vnni.pack_int8_vnni(q), scales.float()
+        if self.vnni is not None:  # up to 8 rows: a speculative verify of 4 drafts (5 rows) takes it too
+            self.q, self.scales, self.max_rows = self.vnni.pack_int8_vnni(q), scales.float(), VNNI_MAX_ROWS
         else:
             self.q, self.scales = q, scales.to(dtype)
 
