@@ -6,7 +6,8 @@ import torch
 import torch.nn.functional as F
 
 from runtime.layers import int4
-from runtime.layers.decode_linear import INT8_MAX_ROWS, DecodeLinear, Int8DecodeWeight
+from runtime import kernels
+from runtime.layers.decode_linear import INT8_MAX_ROWS, VNNI_MAX_ROWS, DecodeLinear, Int8DecodeWeight
 from runtime.layers.int4 import GROUP, INT4_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.quantized import kernel_path_only
 from runtime.memory_bound import decode_weight_bytes
@@ -55,7 +56,8 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
     assert isinstance(layer.decode, Int4Weight if kind == "int4" else Int8DecodeWeight) and kind in repr(layer)
-    assert layer.decode.max_rows == (INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
+    vnni = kernels.load() is not None and kernels.load().has_vnni()  # our int8 kernel: up to 8 rows
+    assert layer.decode.max_rows == (INT4_MAX_ROWS if kind == "int4" else VNNI_MAX_ROWS if vnni else INT8_MAX_ROWS)
     assert list(layer.state_dict()) == ["weight"]  # derived, never saved
     for rows in (1, layer.decode.max_rows):
         x = torch.randn(rows, 128).bfloat16()
