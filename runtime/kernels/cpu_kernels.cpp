@@ -260,6 +260,22 @@ void vnni_rows(const uint8_t* w, const int8_t* xq, const float* xs, const int32_
   }
 }
 
+// The row count as a template argument, with the streams the registers allow for it.
+template <typename T>
+void vnni_dispatch(int64_t M, const uint8_t* w, const int8_t* xq, const float* xs, const int32_t* xsum,
+                   const float* scales, T* y, int64_t N, int64_t K, int64_t g0, int64_t g1) {
+  switch (M) {
+    case 1: vnni_rows<T, 1, 4>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 2: vnni_rows<T, 2, 4>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 3: vnni_rows<T, 3, 2>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 4: vnni_rows<T, 4, 2>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 5: vnni_rows<T, 5, 1>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 6: vnni_rows<T, 6, 1>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    case 7: vnni_rows<T, 7, 1>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+    default: vnni_rows<T, 8, 1>(w, xq, xs, xsum, scales, y, N, K, g0, g1); break;
+  }
+}
+
 torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Tensor scales) {
   check_float_or_bf16(x, "x");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= 8, "x must be (M, K) with M in 1..8");
@@ -275,12 +291,14 @@ torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Ten
   std::vector<float> xs(M * blocks);
   std::vector<int32_t> xsum(M * blocks);
   const bool x16 = x.scalar_type() == torch::kBFloat16;
+  const bf16* x_bf16 = x16 ? reinterpret_cast<const bf16*>(x.data_ptr()) : nullptr;
+  const float* x_f32 = x16 ? nullptr : x.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < blocks; ++b) {
       float v[kBlock], top = 0.f;
       for (int64_t i = 0; i < kBlock; ++i) {
         const int64_t k = m * K + b * kBlock + i;
-        v[i] = x16 ? load(reinterpret_cast<const bf16*>(x.data_ptr()), k) : x.data_ptr<float>()[k];
+        v[i] = x16 ? load(x_bf16, k) : x_f32[k];
         top = std::max(top, std::fabs(v[i]));
       }
       const float scale = top / 127.f, inv = top > 0.f ? 127.f / top : 0.f;
@@ -299,29 +317,9 @@ torch::Tensor int8_vnni_matmul(torch::Tensor x, torch::Tensor packed, torch::Ten
   const float* sp = scales.data_ptr<float>();
   at::parallel_for(0, N / 16, 8, [&](int64_t g0, int64_t g1) {
     if (x16) {
-      bf16* yp = reinterpret_cast<bf16*>(y.data_ptr());
-      switch (M) {
-        case 1: vnni_rows<bf16, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 2: vnni_rows<bf16, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 3: vnni_rows<bf16, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 4: vnni_rows<bf16, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 5: vnni_rows<bf16, 5, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 6: vnni_rows<bf16, 6, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 7: vnni_rows<bf16, 7, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<bf16, 8, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-      }
+      vnni_dispatch(M, wp, xq.data(), xs.data(), xsum.data(), sp, reinterpret_cast<bf16*>(y.data_ptr()), N, K, g0, g1);
     } else {
-      float* yp = y.data_ptr<float>();
-      switch (M) {
-        case 1: vnni_rows<float, 1, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 2: vnni_rows<float, 2, 4>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 3: vnni_rows<float, 3, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 4: vnni_rows<float, 4, 2>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 5: vnni_rows<float, 5, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 6: vnni_rows<float, 6, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        case 7: vnni_rows<float, 7, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-        default: vnni_rows<float, 8, 1>(wp, xq.data(), xs.data(), xsum.data(), sp, yp, N, K, g0, g1); break;
-      }
+      vnni_dispatch(M, wp, xq.data(), xs.data(), xsum.data(), sp, y.data_ptr<float>(), N, K, g0, g1);
     }
   });
   return y;

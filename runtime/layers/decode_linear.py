@@ -51,24 +51,15 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 class Int8DecodeWeight:
-    """A weight as per-channel int8 (symmetric, one scale a row). Where the fused CPU kernels have AVX512-VNNI
-    (`runtime.kernels`), packed for their int8 kernel, which quantises the activations per block of 32 and
-    streams the weights at 1.3-1.45x the pace of torch's `_weight_int8pack_mm` (15-16.5 against 11.5 GB/s
-    from memory, one row, 2 threads, on the Xeon of this work); else on that torch kernel."""
+    """Per-channel int8 rows (symmetric, one scale a row, from `quantize_per_channel`). Where the fused CPU
+    kernels have AVX512-VNNI (`runtime.kernels`), packed for their int8 kernel, which quantises the activations
+    per block of 32 and reads the weights as four streams a thread: 23-27 against 11-12 GB/s for torch's
+    `_weight_int8pack_mm` from memory (one row, 2 threads, on the Xeon of this work), up to 8 rows; else on
+    that torch kernel, up to 4."""
 
     max_rows = INT8_MAX_ROWS
 
-    def __init__(self, weight: torch.Tensor, dtype: torch.dtype) -> None:
-        self._hold(*quantize_per_channel(weight), dtype)
-
-    @classmethod
-    def from_quantized(cls, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> "Int8DecodeWeight":
-        """From int8 rows and their float32 scales already made."""
-        made = cls.__new__(cls)
-        made._hold(q, scales, dtype)
-        return made
-
-    def _hold(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.vnni = self.vnni_for(q)
         if self.vnni is not None:  # up to 8 rows: a speculative verify of 4 drafts (5 rows) takes it too
@@ -106,7 +97,9 @@ def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8De
     grid = int4_grid(weight) if Int4Weight.wanted(weight, dtype) else None
     if grid is not None:
         return Int4Weight(*grid, dtype)
-    return Int8DecodeWeight(weight, dtype) if hasattr(torch.ops.aten, "_weight_int8pack_mm") else None
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        return None
+    return Int8DecodeWeight(*quantize_per_channel(weight), dtype)
 
 
 def _make_copy(module: "DecodeLinear", state_dict: dict, prefix: str, *args) -> None:

@@ -159,8 +159,9 @@ REDUCE_RANGE = not _cpu_has_vnni()
 
 
 class DynamicInt8Weight:
-    """A float weight (out, in) as per-channel int8 in torch's quantized-engine layout, next to the module's
-    own weight; `matmul` quantises its input (all rows, one scale) and returns float32. Made at load time
+    """A float weight (out, in) as per-channel int8 next to the module's own weight, in our VNNI kernel's layout
+    where the CPU has it (activations quantised per block of 32), else in torch's quantized-engine layout
+    (`matmul` quantises all rows with one scale); float32 out either way. Made at load time
     from the checkpoint's values; an in-place edit of the weight afterwards is not seen by it."""
 
     def __init__(self, weight: torch.Tensor) -> None:
@@ -168,8 +169,8 @@ class DynamicInt8Weight:
         self.packed = None
         # Where the CPU has AVX512-VNNI, our kernel (activations in int8 blocks of 32, not one scale a call):
         # the 168 MB head of Gemma 3 270M at one row in 4.2 against 5.2 ms (`runtime/layers/decode_linear.py`).
-        self.vnni_weight = (Int8DecodeWeight.from_quantized(q, scales, torch.bfloat16)
-                            if Int8DecodeWeight.vnni_for(q) is not None else None)
+        copy = Int8DecodeWeight(q, scales, torch.bfloat16)
+        self.vnni_weight = copy if copy.vnni is not None else None
         if self.vnni_weight is not None:
             return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
