@@ -150,7 +150,8 @@ class Engine:
         that asked for log probabilities gets them appended to `output_logprobs` before the scheduler hands
         the token on. A request whose sampling fails ends with status `error` (its token is skipped); the
         others are unaffected."""
-        rows = logits[list(batch.sample)]
+        every = len(batch.sample) == logits.shape[0] and batch.sample == tuple(range(logits.shape[0]))
+        rows = logits if every else logits[list(batch.sample)]  # a decode batch samples every row: no copy
         reqs = [batch.reqs[i] for i in batch.sample]
         for r, row in zip(reqs, rows):
             if r.logits is not None:

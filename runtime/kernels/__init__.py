@@ -3,8 +3,16 @@
 At batch 1 a Gemma 3 270M decode step spent more time in small operations than in its weights: an RMSNorm
 was six torch operations (about 36 us where its arithmetic takes 2), the q/k norm and rotation ten, and the
 attention of one query copied every key and value it read before two batched matmuls (about 380 us a layer).
-`cpu_kernels.cpp` does each of those in one pass: RMSNorm (with the residual add that follows it), per-head
-q/k norm with the rotary embedding, and decode attention reading the KV pool in place.
+The sources, one job each:
+
+- `norms.cpp`: RMSNorm (with the residual add that follows it) and the per-head q/k norm with the rotary
+  embedding, one pass each;
+- `attention.cpp`: decode attention reading the KV pool in place, and the KV write before it;
+- `quant.cpp`: low-bit projections at decode sizes (1 to 8 rows) on AVX512-VNNI, int8 per-channel and
+  exactly-4-bit weights (`Projection`), reading the weights at the memory's pace;
+- `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
+  (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
+- `module.cpp`: the Python bindings.
 
 The kernels serve bfloat16 models only (`for_tensor`): float32 keeps the torch path, bit for bit the
 reference's (its oracle tests are token-exact). Their float32 arithmetic rounds where the torch path rounds,
@@ -12,8 +20,8 @@ so they differ from it by the order of float32 sums (and by attention in float32
 multiplies in bfloat16 from three requests on).
 
 The extension is built once per source and CPU (`-march=native`: a cache shared by machines with different
-CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about 30 s with torch's
-headers, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
+CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about a minute with
+torch's headers, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
 `SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
 """
 
@@ -31,7 +39,9 @@ from runtime.paths import cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+HERE = Path(__file__).parent
+SOURCES = sorted(HERE.glob("*.cpp"))  # module.cpp binds what the others define
+HEADERS = sorted(HERE.glob("*.h"))
 ENV_SWITCH = "SWA_RUNTIME_CPU_KERNELS"
 
 _lock = threading.Lock()
@@ -51,7 +61,7 @@ def _cpu_fingerprint() -> str:
 
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), _cpu_fingerprint().encode(), torch.__version__.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), _cpu_fingerprint().encode(), torch.__version__.encode()):
         digest.update(part)
     return f"swa_cpu_kernels_{digest.hexdigest()[:16]}"
 
@@ -75,7 +85,7 @@ def load() -> object | None:
             if not (build_dir / f"{build_dir.name}.so").exists():
                 log.info("building the fused CPU kernels (once per machine, ~30 s) in %s", build_dir)
             _module = load_extension(
-                name=build_dir.name, sources=[str(SOURCE)], build_directory=str(build_dir),
+                name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
                 verbose=False)
         except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, an unwritable cache, a failed build)

@@ -5,8 +5,8 @@ their bytes cost; prefill, many rows at once, is compute-bound and keeps the pre
 (`runtime/layers/linear.py`). `DecodeLinear` holds, next to it, a copy made at load time from the
 checkpoint's own float32 values, and hands rows up to the copy's `max_rows` to it:
 
-- exactly 4-bit weights (the GGUF's Q4_K tensors): an `Int4Weight`, no new rounding but that of its
-  per-group scales (`runtime/layers/int4.py`);
+- exactly 4-bit weights (the GGUF's Q4_K tensors): an `Int4Weight`, the weight itself on our kernel where the
+  CPU has AVX512-VNNI, else with its per-group scales rounded on torch's (`runtime/layers/int4.py`);
 - any other weight: per-channel int8 (`Int8DecodeWeight`), the rounding of the `int8` format
   (`runtime/layers/quantized.py`). Where the CPU has AVX512-VNNI, on our kernel (`runtime/kernels`), which
   quantises the activations per block of 32 and reads the weights as several streams at once: 23-27 GB/s
@@ -52,37 +52,34 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 class Int8DecodeWeight:
     """Per-channel int8 rows (symmetric, one scale a row, from `quantize_per_channel`). Where the fused CPU
-    kernels have AVX512-VNNI (`runtime.kernels`), packed for their int8 kernel, which quantises the activations
-    per block of 32 and reads the weights as four streams a thread: 23-27 against 11-12 GB/s for torch's
-    `_weight_int8pack_mm` from memory (one row, 2 threads, on the Xeon of this work), up to 8 rows; else on
-    that torch kernel, up to 4."""
+    kernels have AVX512-VNNI (`runtime.kernels`), in their int8 kernel's layout (`projection`), which quantises
+    the activations per block of 32 and reads the weights as four streams a thread: 23-27 against 11-12 GB/s
+    for torch's `_weight_int8pack_mm` from memory (one row, 2 threads, on the Xeon of this work), up to 8 rows;
+    else on that torch kernel, up to 4."""
 
     max_rows = INT8_MAX_ROWS
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> None:
         self.dtype = dtype
-        self.vnni = self.vnni_for(q)
-        if self.vnni is not None:  # up to 8 rows: a speculative verify of 4 drafts (5 rows) takes it too
-            self.q, self.scales, self.max_rows = self.vnni.pack_int8_vnni(q), scales.float(), VNNI_MAX_ROWS
+        self.projection = None
+        module = kernels.load()
+        if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
+            # up to 8 rows: a speculative verify of 4 drafts (5 rows) takes it too
+            self.projection, self.max_rows = module.Projection.int8(q, scales.float().contiguous()), VNNI_MAX_ROWS
         else:
             self.q, self.scales = q, scales.to(dtype)
 
-    @staticmethod
-    def vnni_for(q: torch.Tensor):
-        """The fused kernels when they hold the VNNI int8 kernel and `q` (N, K) fits its layout, else None."""
-        module = kernels.load()
-        if module is None or not module.has_vnni() or q.shape[0] % 16 or q.shape[1] % 32:
-            return None
-        return module
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
-        if self.vnni is None:
-            return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+    def matmul(self, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:  # (N, in) -> (N, out)
+        if self.projection is None:
+            out = torch.ops.aten._weight_int8pack_mm(x, self.q, self.scales)
+            return out.float() if float_out else out
         if x.shape[0] <= VNNI_MAX_ROWS:
-            return self.vnni.int8_vnni_matmul(x.contiguous(), self.q, self.scales)
-        return torch.cat([self.matmul(x[i:i + VNNI_MAX_ROWS]) for i in range(0, x.shape[0], VNNI_MAX_ROWS)])
+            return self.projection.matmul(x.contiguous(), float_out)
+        return torch.cat([self.matmul(x[i:i + VNNI_MAX_ROWS], float_out) for i in range(0, x.shape[0], VNNI_MAX_ROWS)])
 
     def nbytes(self) -> int:
+        if self.projection is not None:
+            return self.projection.nbytes
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 

@@ -1,26 +1,33 @@
-"""Weights that are exactly 4-bit, multiplied at decode sizes by torch's int4 kernel.
+"""Weights that are exactly 4-bit, multiplied at decode sizes by an int4 kernel.
 
 A GGUF file's Q4_K tensors (in Gemma 3 270M's Q4_K_M file: every `attn_output` and half of the `ffn_down`)
 hold, in each group of 32 consecutive weights of a row, values `s * q - m` with q in 0..15: 16 evenly spaced
 levels. Dequantised to float32 by the loader, such a weight is therefore exactly an asymmetric int4 weight
-with one scale and one offset per group of 32, which is what `aten::_weight_int4pack_mm_for_cpu` multiplies
-(`(q - 8) * scale + zero`, scales and zeros in the activations' dtype). A decode step reads a quarter of the
-bytes of the bfloat16 copy for these weights; on the 2-core Xeon with AMX of this work, one row through a
-640 x 1024 weight took 116 us against 429 us prepacked bfloat16 (1 thread, machine busy; 4x fewer bytes).
-The kernel's cost grows with the rows faster than a GEMM's (8 rows: 1.2x faster than bfloat16, 32 rows:
-2x slower), so only up to `INT4_MAX_ROWS` rows take it; prefill keeps the prepacked bfloat16 weight (the
-layer that chooses: `runtime/layers/decode_linear.py`).
+with one scale and one offset per group of 32. A decode step reads about a quarter of the bytes of the
+bfloat16 copy for these weights. Two kernels:
+
+- where the CPU has AVX512-VNNI, ours (`runtime/kernels`, `Projection.int4`): the step and offset of each group
+  kept in float32, so the weight is used exactly, and the activations quantised per block of 32 as for the
+  int8 copies; it streams the weights at the memory's pace;
+- else torch's `aten::_weight_int4pack_mm_for_cpu` (`(q - 8) * scale + zero`, scales and zeros rounded to the
+  activations' dtype, relative 2^-9, about what rounding each weight to bfloat16 costs the bfloat16 copy),
+  which streamed at about 9 GB/s on a 2-core Xeon (one row through a 640 x 1024 weight: 116 against 429 us
+  prepacked bfloat16).
+
+Either way only up to `INT4_MAX_ROWS` rows take it (torch's kernel's cost grows with the rows faster than a
+GEMM's: 8 rows 1.2x faster than bfloat16, 32 rows 2x slower; ours takes 8 rows a call); prefill keeps the
+prepacked bfloat16 weight (the layer that chooses: `runtime/layers/decode_linear.py`).
 
 Nothing is re-quantised: `int4_grid` finds the grid or declines, so a weight that is not exactly 4-bit
 (Q5_0, Q6_K, Q8_0, a Hugging Face checkpoint, float32 rounded to bfloat16 before loading) keeps its bfloat16
-path alone. The one rounding is that of the per-group scale and offset to bfloat16 (relative 2^-9, about
-what rounding each weight to bfloat16 costs the bfloat16 copy).
+path alone.
 """
 
 from __future__ import annotations
 
 import torch
 
+from runtime import kernels
 
 GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
 LEVELS = 16
@@ -68,23 +75,40 @@ def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 class Int4Weight:
-    """An exactly-4-bit weight in the int4 kernel's packed layout, next to the module's own weight."""
-
-    def __init__(self, q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # (N, K/2) uint8
-        # the kernel's (K/32, N, 2): scale and zero, with weight = (q - 8) * scale + zero
-        self.scales_and_zeros = torch.stack((step, low + 8 * step), -1).transpose(0, 1).contiguous().to(dtype)
-        self.dtype = dtype
-
-    @staticmethod
-    def wanted(weight: torch.Tensor, dtype: torch.dtype) -> bool:
-        """bfloat16 activations on a CPU with the kernel; float32 models stay exact and untouched."""
-        return KERNEL_AVAILABLE and dtype == torch.bfloat16 and weight.device.type == "cpu"
+    """An exactly-4-bit weight in an int4 kernel's packed layout, next to the module's own weight: ours where
+    the CPU has AVX512-VNNI (`projection`), else torch's."""
 
     max_rows = INT4_MAX_ROWS
 
+    def __init__(self, q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.projection = None
+        module = kernels.load()
+        if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % GROUP == 0:
+            self.projection = module.Projection.int4(q, step.float().contiguous(), low.float().contiguous())
+            return
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # (N, K/2) uint8
+        # the kernel's (K/32, N, 2): scale and zero, with weight = (q - 8) * scale + zero
+        self.scales_and_zeros = torch.stack((step, low + 8 * step), -1).transpose(0, 1).contiguous().to(dtype)
+
+    @staticmethod
+    def wanted(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+        """bfloat16 activations on a CPU with a kernel; float32 models stay exact and untouched."""
+        return dtype == torch.bfloat16 and weight.device.type == "cpu" and (KERNEL_AVAILABLE or _vnni())
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
+        if self.projection is not None:
+            if x.shape[0] <= self.max_rows:
+                return self.projection.matmul(x.contiguous())
+            return torch.cat([self.matmul(x[i:i + self.max_rows]) for i in range(0, x.shape[0], self.max_rows)])
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
     def nbytes(self) -> int:
+        if self.projection is not None:
+            return self.projection.nbytes
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
+
+
+def _vnni() -> bool:
+    module = kernels.load()
+    return module is not None and module.has_vnni()

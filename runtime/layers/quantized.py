@@ -170,7 +170,7 @@ class DynamicInt8Weight:
         # Where the CPU has AVX512-VNNI, our kernel (activations in int8 blocks of 32, not one scale a call):
         # the 168 MB head of Gemma 3 270M at one row in 4.2 against 5.2 ms (`runtime/layers/decode_linear.py`).
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
-        self.vnni_weight = copy if copy.vnni is not None else None
+        self.vnni_weight = copy if copy.projection is not None else None
         if self.vnni_weight is not None:
             return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
@@ -194,18 +194,21 @@ class DynamicInt8Weight:
                 and not torch.compiler.is_compiling())
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) float32
-        if self.vnni_weight is not None:
-            return self.vnni_weight.matmul(x2.float())
+        if self.vnni_weight is not None:  # bfloat16 or float32 rows, quantised the same way
+            return self.vnni_weight.matmul(x2, float_out=True)
         return torch.ops.quantized.linear_dynamic(x2.float(), self.packed, REDUCE_RANGE)
 
 
-def _head_matmul(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _head_matmul(module: nn.Module, x: torch.Tensor, logits: bool = False) -> torch.Tensor:
     """x (..., in) @ W^T for an int8 head: the int8 weight for few rows, the float weight (and its oneDNN
-    pack) otherwise; in x's dtype either way."""
+    pack) otherwise; in x's dtype, or with `logits` in float32 (the int8 kernels' sums unrounded: a bfloat16
+    round trip of 262144 logits cost ~0.3 ms a decode step)."""
     x2 = x.reshape(-1, x.shape[-1])
     if module.int8 is None or not DynamicInt8Weight.takes(x2):
-        return linear(x, module.weight, module.packed)
-    return module.int8.matmul(x2).view(*x.shape[:-1], -1).to(x.dtype)
+        out = linear(x, module.weight, module.packed)
+        return out.float() if logits else out
+    out = module.int8.matmul(x2).view(*x.shape[:-1], -1)
+    return out if logits else out.to(x.dtype)
 
 
 def _make_int8_head(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
@@ -233,6 +236,9 @@ class Int8HeadEmbedding(Embedding):
     def attend(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., num_embeddings)
         return _head_matmul(self, x)
 
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (..., dim) -> (..., num_embeddings) float32
+        return _head_matmul(self, x, logits=True)
+
     def extra_repr(self) -> str:
         return super().extra_repr() + ", LM head int8 (dynamic) up to %d rows" % DYNAMIC_MAX_ROWS
 
@@ -246,6 +252,9 @@ class Int8HeadLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         return _head_matmul(self, x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out) float32
+        return _head_matmul(self, x, logits=True)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", int8 (dynamic) up to %d rows" % DYNAMIC_MAX_ROWS

@@ -32,6 +32,7 @@ from runtime.layers.norm import RMSNorm, rms_norm_scaled
 from runtime.layers.quantized import Int8Embedding, Int8HeadEmbedding, Int8HeadLinear, Int8Linear
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.models.config import Gemma3Config
+from runtime.models.fused_decode import FusedPlan, fused_forward, plan_for
 
 
 class WeightFormat(NamedTuple):
@@ -139,7 +140,8 @@ class Gemma3DecoderLayer(nn.Module):
 
     The layer is two pieces of math around the attention call: `_pre` (norm, projections, q/k norm,
     rotation) and `_post` (output projection, residual, MLP). `compile_math()` compiles exactly those; the
-    attention call between them, which writes the KV pool through its location translation, stays eager.
+    attention call between them, which writes the KV pool through its location translation, stays eager. At
+    decode sizes, with the fused CPU kernels, each piece is one call (`runtime/models/fused_decode.py`).
     """
 
     def __init__(self, config: Gemma3Config, layer_id: int, rotary: RotaryEmbedding,
@@ -153,6 +155,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self._pre, self._post = self._pre_attention, self._post_attention
+        self._fused_plan: FusedPlan | None = None  # `runtime/models/fused_decode.py`
 
     def _pre_attention(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         return self.self_attn.project(self.input_layernorm(h), cos, sin)  # q, k, v
@@ -162,6 +165,9 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)), residual=h)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # (T, hidden)
+        plan = plan_for(self, h)
+        if plan is not None:  # decode's few rows: the math on each side of attention in one call each
+            return fused_forward(self, plan, h, cos, sin)
         q, k, v = self._pre(h, cos, sin)
         return self._post(h, self.self_attn.attn(q, k, v))  # (T, hidden)
 
@@ -228,8 +234,11 @@ class Gemma3ForCausalLM(nn.Module):
         return self.model(input_ids, positions)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, vocab) float32
-        head = self.model.embed_tokens.attend if self.lm_head is None else self.lm_head
-        logits = head(hidden).float()  # (T, vocab)
+        module = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        if hasattr(module, "logits"):  # an int8 head: float32 from its kernel, without a round trip
+            logits = module.logits(hidden)
+        else:
+            logits = (module.attend(hidden) if self.lm_head is None else module(hidden)).float()  # (T, vocab)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -89,9 +89,12 @@ def _reference_attention(q, k_buf, v_buf, indices, lens, scaling):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[640], [3, 517], [1, 0, 64, 600, 2, 9, 33, 100]])
-def test_decode_attention_matches_sdpa(K, dtype, lens):
+@pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 128), (8, 1, 64), (3, 3, 32), (6, 3, 40)],
+                         ids=["gemma3-270m", "2-per-kv-head", "8-per-kv-head", "1-per-kv-head", "head-dim-40"])
+def test_decode_attention_matches_sdpa(K, dtype, lens, heads):
+    """Every grouping of query heads the vector code has, and a head size it leaves to plain loops (40)."""
     torch.manual_seed(len(lens))
-    S, H, Hkv, D = 2048, 4, 1, 256
+    S, (H, Hkv, D) = 2048, heads
     k_buf, v_buf = torch.randn(S, Hkv, D).to(dtype), torch.randn(S, Hkv, D).to(dtype)
     q = torch.randn(len(lens), H, D).to(dtype)
     indices = torch.randperm(S - 1)[:sum(lens)].add(1).int()  # distinct slots, in no order, the sink left out
@@ -104,6 +107,17 @@ def test_decode_attention_matches_sdpa(K, dtype, lens):
     else:  # float32 inside, one rounding of the output
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-2)
     assert torch.equal(out[lens.index(0)], torch.zeros(H, D).to(dtype)) if 0 in lens else True
+
+
+def test_decode_attention_far_apart_scores(K):
+    """Scores tens apart: the exponentials of all but the largest underflow towards zero, as the scalar exp's."""
+    torch.manual_seed(3)
+    S, H, Hkv, D, n = 64, 4, 1, 256, 40
+    k_buf, v_buf = torch.randn(S, Hkv, D), torch.randn(S, Hkv, D)
+    q = 40 * torch.randn(1, H, D)
+    indices = torch.arange(1, n + 1, dtype=torch.int32)
+    out = K.decode_attention(q, k_buf, v_buf, indices, torch.tensor([0, n], dtype=torch.int32), 1.0, 0.0)
+    torch.testing.assert_close(out, _reference_attention(q, k_buf, v_buf, indices, [n], 1.0), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_soft_capping(K):
@@ -159,42 +173,187 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path):
     assert flag == "True True" and "Error" in why, why
 
 
-def _blockwise_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x (M, K) quantised per block of 32 (symmetric int8, round half to even), times int8 q (N, K), in exact
-    integer sums per block, then the two scales: what the VNNI kernel computes, written out in torch."""
+def _quantised_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) per block of 32 as the kernels quantise it: (int8 values (M, K/32, 32) as float, scales
+    (M, K/32, 1)), symmetric, round half to even."""
     M, K = x.shape
     xb = x.float().view(M, K // 32, 32)
     top = xb.abs().amax(-1, keepdim=True)
     inverse = torch.full_like(top, 127.0) / top  # a true division (`127 / top` multiplies by a reciprocal)
-    xq = torch.round(xb * torch.where(top > 0, inverse, torch.zeros_like(top)))  # (M, B, 32), ties to even
+    return torch.round(xb * torch.where(top > 0, inverse, torch.zeros_like(top))), top / 127
+
+
+def _blockwise_reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x quantised per block times int8 q (N, K), in exact integer sums per block, then the two scales: what
+    the int8 kernel computes, written out in torch."""
+    M, K = x.shape
+    xq, xs = _quantised_blocks(x)
     dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(q.shape[0], K // 32, 32).double())  # exact integers
-    return (dots * (top / 127).double().view(M, 1, -1)).sum(-1) * scales.double()  # (M, N)
+    return (dots * xs.double().view(M, 1, -1)).sum(-1) * scales.double()  # (M, N)
+
+
+def _blockwise_int4_reference(x: torch.Tensor, q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """W = low + step * q per group of 32: the quantised blocks of x times q in exact integer sums, scaled by each
+    group's step, plus each group's offset times the sum of the block's own values: the int4 kernel's arithmetic."""
+    M, K = x.shape
+    xq, xs = _quantised_blocks(x)
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(q.shape[0], K // 32, 32).double())
+    sums = x.double().view(M, 1, K // 32, 32).sum(-1)  # (M, 1, B)
+    return (dots * xs.double().view(M, 1, -1) * step.double()[None] + sums * low.double()[None]).sum(-1)
+
+
+def _int4_weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (N, K), generator=gen, dtype=torch.int32)
+    step = torch.rand(N, K // 32, generator=gen) / 50
+    low = -8 * step + torch.randn(N, K // 32, generator=gen) / 100
+    return q, step, low
+
+
+@pytest.fixture(scope="module")
+def vnni(K):
+    if not K.has_vnni():
+        pytest.skip("this CPU has no AVX512-VNNI: the decode copies use torch's kernels")
+    return K
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8])
-def test_int8_vnni_matmul_is_blockwise_int8_arithmetic(K, rows):
-    if not K.has_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI: the int8 decode copies use torch's kernel")
+def test_int8_projection_is_blockwise_int8_arithmetic(vnni, rows):
     torch.manual_seed(rows)
     N, Kd = 64, 640
     q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
     scales = torch.rand(N) / 100
     x = torch.randn(rows, Kd)
     x[0, :32] = 0  # an all-zero block: scale 0, no division by it
-    out = K.int8_vnni_matmul(x, K.pack_int8_vnni(q), scales)
+    weight = vnni.Projection.int8(q, scales)
+    assert (weight.format, weight.out_features, weight.in_features) == ("int8", N, Kd)
+    assert weight.nbytes == N * Kd + 4 * N
+    out = weight.matmul(x)
     torch.testing.assert_close(out.double(), _blockwise_reference(x, q, scales), rtol=1e-5, atol=1e-5)
-    out16 = K.int8_vnni_matmul(x.bfloat16(), K.pack_int8_vnni(q), scales)
+    out16 = weight.matmul(x.bfloat16())
+    assert out16.dtype == torch.bfloat16
     torch.testing.assert_close(out16.double(), _blockwise_reference(x.bfloat16(), q, scales), rtol=2 ** -8, atol=1e-3)
+    wide = weight.matmul(x.bfloat16(), float_out=True)  # the LM head's logits: no rounding to bfloat16
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide.double(), _blockwise_reference(x.bfloat16(), q, scales), rtol=1e-5, atol=1e-5)
     # and close to the unquantised product: the activations' blocks cost about 0.5% (relative norm)
     exact = x.double() @ (q.double() * scales.double()[:, None]).T
     assert (out.double() - exact).norm() / exact.norm() < 0.02
 
 
-def test_int8_vnni_refuses_what_it_cannot_pack(K):
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_int4_projection_uses_the_4bit_weight_exactly(vnni, rows):
+    N, Kd = 48, 512
+    q, step, low = _int4_weight(N, Kd, rows)
+    x = torch.randn(rows, Kd, generator=torch.Generator().manual_seed(rows))
+    weight = vnni.Projection.int4(q, step, low)
+    assert (weight.format, weight.out_features, weight.in_features) == ("int4", N, Kd)
+    assert weight.nbytes == N * Kd // 2 + 2 * 4 * N * Kd // 32  # half a byte a weight, float32 step and offset
+    out = weight.matmul(x)
+    torch.testing.assert_close(out.double(), _blockwise_int4_reference(x, q, step, low), rtol=1e-5, atol=1e-5)
+    out16 = weight.matmul(x.bfloat16())
+    torch.testing.assert_close(out16.double(), _blockwise_int4_reference(x.bfloat16(), q, step, low), rtol=2 ** -8,
+                               atol=1e-3)
+    dense = low.repeat_interleave(32, 1) + step.repeat_interleave(32, 1) * q  # the weight, in float32
+    exact = x.double() @ dense.double().T
+    assert (out.double() - exact).norm() / exact.norm() < 0.02  # the activations' blocks only
+
+
+def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        K.pack_int8_vnni(torch.zeros(10, 64, dtype=torch.int8))
+        vnni.Projection.int8(torch.zeros(10, 64, dtype=torch.int8), torch.ones(10))
     with pytest.raises(RuntimeError, match="int8"):
-        K.pack_int8_vnni(torch.zeros(16, 64))
-    if K.has_vnni():
-        with pytest.raises(RuntimeError, match="1..8"):
-            K.int8_vnni_matmul(torch.zeros(9, 64), K.pack_int8_vnni(torch.zeros(16, 64, dtype=torch.int8)), torch.ones(16))
+        vnni.Projection.int8(torch.zeros(16, 64), torch.ones(16))
+    with pytest.raises(RuntimeError, match="scales"):
+        vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(15))
+    with pytest.raises(RuntimeError, match="0..15"):
+        vnni.Projection.int4(torch.full((16, 64), 16, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
+    with pytest.raises(RuntimeError, match="step"):
+        vnni.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 3), torch.zeros(16, 2))
+    weight = vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
+    with pytest.raises(RuntimeError, match="1..8"):
+        weight.matmul(torch.zeros(9, 64))
+    with pytest.raises(RuntimeError, match="1..8"):
+        weight.matmul(torch.zeros(1, 32))  # not the weight's width
+
+
+def test_write_kv_is_an_index_put_of_both_rows(K):
+    torch.manual_seed(0)
+    k_buf, v_buf = torch.zeros(32, 2, 16).bfloat16(), torch.zeros(32, 2, 16).bfloat16()
+    rows = torch.randn(3, 5, 16).bfloat16()  # k heads and v heads interleaved in a wider row, as qkv holds them
+    k, v = rows[:, 1:3], rows[:, 3:5]
+    loc = torch.tensor([7, 0, 31])
+    expected_k, expected_v = k_buf.clone(), v_buf.clone()
+    expected_k[loc], expected_v[loc] = k, v
+    K.write_kv(k_buf, v_buf, loc, k, v)
+    assert torch.equal(k_buf, expected_k) and torch.equal(v_buf, expected_v)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        K.write_kv(k_buf, v_buf, torch.tensor([32]), k[:1], v[:1])
+    K.write_kv(k_buf, v_buf, torch.tensor([5], dtype=torch.int32), k[:1], v[:1])  # SWA locations: int32
+    assert torch.equal(k_buf[5], k[0]) and torch.equal(v_buf[5], v[0])
+    with pytest.raises(RuntimeError, match="int64 or int32"):
+        K.write_kv(k_buf, v_buf, loc.float(), k, v)
+
+
+def _int8_weight(N: int, K: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8), torch.rand(N, generator=gen) / (20 * K**0.5)
+
+
+def _torch_norm(x: torch.Tensor, scale: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch path's bfloat16 RMSNorm: float32 arithmetic, one rounding, then torch's bfloat16 add."""
+    norm = rms_norm_scaled(x.float(), scale, 1e-6).bfloat16()
+    return norm if residual is None else residual + norm
+
+
+def _mostly_same_bits(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """A fused call against the torch path's operations on the same kernels: the same values but where a norm's
+    float32 sum in another order crosses a rounding and moves what the next kernel quantises (rarely)."""
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -6, atol=2e-2)
+    assert (out != expected).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_layer_pre_is_norm_projection_then_qk_norm_and_rotation(vnni, rows):
+    torch.manual_seed(rows)
+    hidden, H, Hkv, D = 640, 4, 1, 256
+    qkv = vnni.Projection.int8(*_int8_weight((H + 2 * Hkv) * D, hidden, 0))
+    h = (4 * torch.randn(rows, hidden)).bfloat16()
+    norm_scale, qk_scale = _scale(hidden), _scale(H + Hkv, D)
+    cos, sin = RotaryEmbedding(D, 10_000.0, 4096).cos_sin(torch.randint(0, 4096, (rows,)))
+    q, k, v = vnni.layer_pre(h, norm_scale, qkv, qk_scale, H, Hkv, cos, sin, 1e-6)
+    projected = qkv.matmul(_torch_norm(h, norm_scale))
+    qk = apply_rotary(_torch_norm(projected[:, :(H + Hkv) * D].view(rows, H + Hkv, D), qk_scale), cos, sin)
+    assert q.shape == (rows, H, D) and k.shape == (rows, Hkv, D) and v.shape == (rows, Hkv, D)
+    _mostly_same_bits(q, qk[:, :H])
+    _mostly_same_bits(k, qk[:, H:])
+    _mostly_same_bits(v, projected[:, (H + Hkv) * D:].view(rows, Hkv, D))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("down_format", ["int4", "int8"])
+def test_layer_post_is_the_torch_paths_operations(vnni, rows, down_format):
+    torch.manual_seed(rows)
+    hidden, width, inter = 640, 1024, 2048
+    o = vnni.Projection.int4(*_int4_weight(hidden, width, 1))
+    gate_up = vnni.Projection.int8(*_int8_weight(2 * inter, hidden, 2))
+    down = (vnni.Projection.int4(*_int4_weight(hidden, inter, 3)) if down_format == "int4"
+            else vnni.Projection.int8(*_int8_weight(hidden, inter, 3)))
+    h, attn = (8 * torch.randn(rows, hidden)).bfloat16(), torch.randn(rows, width).bfloat16()
+    scales = [_scale(hidden) for _ in range(3)]
+    out = vnni.layer_post(h, attn, o, scales[0], scales[1], gate_up, down, scales[2], 1e-6)
+    h1 = _torch_norm(o.matmul(attn), scales[0], residual=h)
+    gate, up = gate_up.matmul(_torch_norm(h1, scales[1])).chunk(2, dim=-1)
+    expected = _torch_norm(down.matmul(F.gelu(gate, approximate="tanh") * up), scales[2], residual=h1)
+    assert out.shape == h.shape and out.dtype == torch.bfloat16
+    _mostly_same_bits(out, expected)
+
+
+def test_fused_layer_calls_refuse_shapes_that_do_not_chain(vnni):
+    w = vnni.Projection.int8(*_int8_weight(64, 64, 0))
+    h, s = torch.zeros(1, 64).bfloat16(), torch.ones(64)
+    with pytest.raises(RuntimeError, match="do not chain"):
+        vnni.layer_post(h, torch.zeros(1, 64).bfloat16(), w, s, s, w, w, s, 1e-6)  # gate_up must be twice down's width
+    with pytest.raises(RuntimeError, match="1..8"):
+        vnni.layer_pre(torch.zeros(9, 64).bfloat16(), s, w, torch.ones(3, 16), 1, 1, torch.ones(9, 16),
+                       torch.ones(9, 16), 1e-6)

@@ -218,7 +218,7 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "runtime", "serve", "--model", "tiny", "--port", str(port),
-                             "--disable-graphs", "--shutdown-timeout", "2"],
+                             "--disable-graphs", "--shutdown-timeout", "0.6"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -237,8 +237,10 @@ def test_serve_process_drains_and_exits_cleanly_on_sigterm():
             with client.stream("POST", "/generate", json=body) as r:
                 lines = r.iter_lines()
                 first = next(lines)
+                # the drain deadline (0.6 s) well inside the stream's 1000 steps (2 s on a 2-core EPYC of
+                # 2026-11-26; a deadline of 2 s let the stream finish there first)
                 proc.send_signal(signal.SIGTERM)
-                time.sleep(0.3)
+                time.sleep(0.2)
                 # draining: the listener and kept-alive connections stay open and say so, then close
                 health = kept.get("/health")
                 fresh = httpx.post(f"{url}/generate", json={"input_ids": [2, 9]}, timeout=10)

@@ -1,0 +1,29 @@
+// The Python module of the fused CPU kernels (see runtime/kernels/__init__.py for why and when they serve).
+
+#include <torch/extension.h>
+
+#include "attention.h"
+#include "decode_layer.h"
+#include "norms.h"
+#include "quant.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using swa::Projection;
+  m.def("rms_norm", &swa::rms_norm, "RMSNorm of rows, optionally added to a residual");
+  m.def("qk_norm_rope", &swa::qk_norm_rope, "per-head RMSNorm then rotary embedding");
+  m.def("decode_attention", &swa::decode_attention, "one query per request over keys read in place");
+  m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
+  m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
+  m.attr("MAX_ROWS") = swa::kMaxRows;
+  pybind11::class_<Projection>(m, "Projection", "a weight in a low-bit decode kernel's packed layout")
+      .def_static("int8", &Projection::int8, "int8 (N, K) and float32 scales (N,): W = q * scale per row")
+      .def_static("int4", &Projection::int4, "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q")
+      .def("matmul", &Projection::matmul, pybind11::arg("x"), pybind11::arg("float_out") = false,
+           "x (M, K), M in 1..8, times the weight's transpose: (M, N) in x's dtype, or float32")
+      .def_property_readonly("out_features", &Projection::out_features)
+      .def_property_readonly("in_features", &Projection::in_features)
+      .def_property_readonly("nbytes", &Projection::nbytes)
+      .def_property_readonly("format", [](const Projection& p) { return p.format() == swa::Format::kInt8 ? "int8" : "int4"; });
+  m.def("layer_pre", &swa::layer_pre, "a decoder layer before its attention: q, k, v");
+  m.def("layer_post", &swa::layer_post, "a decoder layer after its attention: its output");
+}

@@ -1,0 +1,61 @@
+// Low-bit projections at decode sizes (1 to 8 rows) on AVX512-VNNI: int8 per-channel weights and exactly-4-bit
+// weights with a float32 scale and offset per group of 32. See quant.cpp for the layouts and why.
+
+#pragma once
+
+#include <vector>
+
+#include "common.h"
+
+namespace swa {
+
+constexpr int64_t kBlock = 32;   // activation values per quantisation block; int4 weights per (scale, offset)
+constexpr int64_t kMaxRows = 8;  // rows a call takes (the kernels keep a row's sums in registers)
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+constexpr bool kHasVnni = true;
+#else
+constexpr bool kHasVnni = false;
+#endif
+
+// Activations (M, K) quantised per block of 32 values: symmetric int8 with one float scale a block (as
+// llama.cpp's Q8 blocks), the int32 sum of each block's quantised values (the int8 format's +128 comes back
+// out through it) and the float sum of each block's own values (int4's offsets multiply it).
+struct QuantizedRows {
+  int64_t M = 0, K = 0;
+  std::vector<int8_t> q;
+  std::vector<float> scale, sum;
+  std::vector<int32_t> qsum;
+
+  template <typename T>
+  void quantize(const T* x, int64_t rows, int64_t cols);
+};
+
+enum class Format : int64_t { kInt8 = 0, kInt4 = 1 };
+
+// One weight (N, K) in a kernel's packed layout: y (M, N) = x (M, K) @ W^T for M in 1..8.
+class Projection {
+ public:
+  // int8 (N, K) with float32 scales (N,): W = q * scale per row.
+  static Projection int8(const at::Tensor& q, const at::Tensor& scales);
+  // q (N, K) in 0..15 (uint8 or int32), step and low (N, K / 32) float32: W = low + step * q per group of 32.
+  static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low);
+
+  at::Tensor matmul(const at::Tensor& x, bool float_out) const;  // (M, K) -> (M, N), x's dtype or float32
+  template <typename T>
+  void run(const QuantizedRows& x, T* y) const;  // y (x.M, N), threads from ATen's pool
+
+  int64_t out_features() const { return N_; }
+  int64_t in_features() const { return K_; }
+  int64_t nbytes() const { return packed_.numel() + scales_.numel() * 4; }
+  Format format() const { return format_; }
+
+ private:
+  Projection(at::Tensor packed, at::Tensor scales, int64_t N, int64_t K, Format format)
+      : packed_(std::move(packed)), scales_(std::move(scales)), N_(N), K_(K), format_(format) {}
+  at::Tensor packed_, scales_;
+  int64_t N_, K_;
+  Format format_;
+};
+
+}  // namespace swa
