@@ -1,10 +1,11 @@
 """`swa-runtime bench --serve`: throughput and latency through the OpenAI API, side by side in one run.
 
 Starts `swa-runtime serve` (with the engine options given) as a subprocess on loopback and sends the same
-synthetic prompts through `POST /v1/completions` (streaming, greedy, EOS ignored) at each concurrency; then
-runs transformers `generate` on the same prompts as static batches in float32 and bfloat16, and any
-OpenAI-compatible server given with `--peer URL`. At concurrency 1 the server alternates request by request
-with the engine run in this process (what the server adds).
+synthetic prompts through `POST /v1/completions` (streaming, greedy, EOS ignored) at each concurrency, and
+after it at each level to every OpenAI-compatible server given with `--peer URL` (repeatable; each answers a
+warm-up request first); then runs transformers `generate` on the same prompts as static batches in float32
+and bfloat16. At concurrency 1 the server alternates request by request with the engine run in this process
+(what the server adds).
 While one stream runs alone, another client sends a body of `--stall-body-mb` MB: the stream's longest
 inter-token gap over its median says whether the front end stalls the engine. Nothing is asserted on time.
 
@@ -237,19 +238,48 @@ def _workload(args, cfg, levels: list[int]):
     return build_workload(args.workload, {c: max(c, args.min_requests) for c in levels}, args.prompt_len, cfg)
 
 
+def peers(args) -> list[tuple[str, str]]:
+    """(URL, model) of each `--peer`, paired with the `--peer-model`s in order ("default" past the last)."""
+    urls, models = args.peer or [], args.peer_model or []
+    if len(models) > len(urls):
+        raise ValueError(f"{len(models)} --peer-model for {len(urls)} --peer: give one --peer URL per model")
+    return [(url, models[i] if i < len(models) else "default") for i, url in enumerate(urls)]
+
+
+def peer_label(model: str) -> str:
+    return f"peer {model}"
+
+
 def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.concurrency.split(",")]
+    others = peers(args)
     workload = _workload(args, cfg, levels)
     prompts, warmup = workload.prompts, workload.warmup
     speculating = cfg.speculative_algorithm != "none"
     waves: list[Wave] = []
+    failures: list[str] = []
     offline = None
     engine = _offline_engine(cfg, warmup) if 1 in levels else None
     proc, url = start_server(engine_args)
+
+    def peer_wave(peer_url: str, model: str, batch: list[list[int]], c: int, gen_len: int, system: str) -> None:
+        """A peer's wave; its failure costs its row, not the run."""
+        try:
+            wave = asyncio.run(_wave(peer_url, model, batch, c, gen_len, system))
+        except (httpx.HTTPError, RuntimeError) as exc:
+            failures.append(f"{system} at c={c} failed: {type(exc).__name__}: {exc}")
+            return
+        if system != "warm-up":
+            waves.append(wave)
+
     try:
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
         asyncio.run(_wave(url, name, [warmup], 1, WARMUP_TOKENS, "warm-up"))
+        for peer_url, model in others:  # each server answers one request before it is timed
+            peer_wave(peer_url, model, [warmup], 1, WARMUP_TOKENS, "warm-up")
+        # Level by level, every server in turn: the machine's pace drifts over minutes (its memory bandwidth
+        # by up to 1.6x on a shared 2-core EPYC), so each level's rows are measured minutes apart at most.
         for c in levels:
             before = spec_counts(url) if speculating else None
             if c == 1:
@@ -259,17 +289,12 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
             if before is not None:
                 served.spec = (spec_counts(url) - before).as_dict()
             waves.append(served)
+            for peer_url, model in others:
+                peer_wave(peer_url, model, prompts[c], c, args.gen_len, peer_label(model))
         stall = asyncio.run(_stall(url, name, prompts[1][0] if 1 in prompts else warmup, max(args.gen_len, 32),
                                    args.stall_body_mb))
     finally:
         stop_server(proc)
-    failures = []
-    if args.peer:
-        for c in levels:
-            try:
-                waves.append(asyncio.run(_wave(args.peer, args.peer_model, prompts[c], c, args.gen_len, "peer")))
-            except (httpx.HTTPError, RuntimeError) as exc:  # the peer's failure costs its row, not the run
-                failures.append(f"peer at c={c} failed: {type(exc).__name__}: {exc}")
     del engine
     if offline is not None:
         waves.append(offline)
@@ -327,6 +352,10 @@ def format_serve_report(waves: list[Wave], stall: dict, args, workload: str) -> 
     if speculating:
         lines.append(ACCEPTANCE_NOTE)
     served = {w.concurrency: w for w in waves if w.system == "swa-runtime serve"}
+    for peer in dict.fromkeys(w.system for w in waves if w.system.startswith("peer ")):
+        ratios = [f"{served[w.concurrency].tok_s / w.tok_s:.2f}x at c={w.concurrency}" for w in waves
+                  if w.system == peer and w.concurrency in served and w.tok_s > 0]
+        lines.append(f"swa-runtime serve vs {peer}: {', '.join(ratios)} (tok/s)")
     offline = next((w for w in waves if w.system == "offline engine"), None)
     if offline and 1 in served:
         lines.append(f"\nthe server at c=1 vs the offline engine: {served[1].tok_s / offline.tok_s:.3f} "

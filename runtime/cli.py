@@ -202,8 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure through `swa-runtime serve` and the OpenAI API at each --concurrency")
     served.add_argument("--concurrency", default="1,8,32", help="concurrent clients, comma-separated")
     served.add_argument("--min-requests", type=int, default=3, help="requests per level at least")
-    served.add_argument("--peer", metavar="URL", default=None, help="another OpenAI-compatible server to hold it against")
-    served.add_argument("--peer-model", default="default", help="the `model` field sent to --peer")
+    served.add_argument("--peer", metavar="URL", action="append", default=None,
+                        help="another OpenAI-compatible server to hold it against (repeatable)")
+    served.add_argument("--peer-model", metavar="NAME", action="append", default=None,
+                        help="the `model` field sent to the --peer of the same position (default: default); its rows "
+                        "are labelled `peer NAME`")
     served.add_argument("--stall-body-mb", type=float, default=4.0, help="body another client sends mid-stream")
     served.add_argument("--transformers-max-batch", type=int, default=8, help="largest static batch for transformers")
     served.add_argument("--workload", choices=WORKLOADS, default="standard",

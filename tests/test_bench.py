@@ -150,7 +150,7 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
         stop_server(peer)
     report = json.loads(path.read_text())
     rows = {(w["system"], w["concurrency"]): w for w in report["waves"]}
-    assert set(rows) == {("swa-runtime serve", 1), ("swa-runtime serve", 3), ("peer", 1), ("peer", 3),
+    assert set(rows) == {("swa-runtime serve", 1), ("swa-runtime serve", 3), ("peer tiny", 1), ("peer tiny", 3),
                          ("offline engine", 1)}
     for (system, c), w in rows.items():
         requests = max(c, 2)
@@ -160,6 +160,8 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
             assert len(w["ttft"]) == requests and requests <= len(w["itl"]) <= requests * 4 + requests
     out = capsys.readouterr().out
     assert "the server at c=1 vs the offline engine" in out and "failed" not in out
+    ratios = {c: rows[("swa-runtime serve", c)]["tok_s"] / rows[("peer tiny", c)]["tok_s"] for c in (1, 3)}
+    assert f"swa-runtime serve vs peer tiny: {ratios[1]:.2f}x at c=1, {ratios[3]:.2f}x at c=3 (tok/s)" in out
     stall = report["stall"]  # the intruder's prompt outgrows the tiny model's context: refused, not parsed
     assert stall["body_status"] == 400 and stall["max_gap_ms"] >= stall["median_gap_ms"] > 0
 
@@ -222,3 +224,15 @@ def test_decode_bytes_count_the_copy_each_layer_multiplies_with(quantization):
         int8_bytes = sum(m.weight_int8.numel() + m.scales.numel() * 4 for m in int8)
         norms = sum(p.numel() * p.element_size() for p in model.parameters())  # the int8 layers hold buffers
         assert decode_weight_bytes(model, 3) == int8_bytes + norms + 3 * D  # int8 lookups: one byte a value
+
+
+def test_peers_pair_with_their_model_names_in_order():
+    from argparse import Namespace
+
+    from runtime.bench_serve import peers
+
+    assert peers(Namespace(peer=None, peer_model=None)) == []
+    assert peers(Namespace(peer=["http://a", "http://b"], peer_model=["llama.cpp"])) == [
+        ("http://a", "llama.cpp"), ("http://b", "default")]
+    with pytest.raises(ValueError, match="one --peer URL per model"):
+        peers(Namespace(peer=["http://a"], peer_model=["x", "y"]))
