@@ -56,10 +56,15 @@ class TorchNativeBackend(AttentionBackend):
 
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
         decode = self.batch.is_decode
-        fused = kernels.for_tensor(q) if decode and k_buf.dtype == q.dtype else None
-        if fused is not None:  # one pass over the keys in place, float32 (`runtime.kernels`)
+        fused = kernels.for_tensor(q) if k_buf.dtype == q.dtype else None
+        if fused is not None and decode:  # one pass over the keys in place, float32 (`runtime.kernels`)
             return fused.decode_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, layer.scaling,
                                           layer.logit_softcapping or 0.0)
+        if fused is not None:  # each new token over the keys it sees, read in place; none masked, none padded
+            meta = self.meta
+            return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start,
+                                          meta.qo_indptr, meta.q_positions, layer.sliding_window or 0,
+                                          layer.scaling, layer.logit_softcapping or 0.0)
         window = None if decode else layer.sliding_window
         plan = self._plans.get((id(keys), window))
         if plan is None:

@@ -9,6 +9,7 @@
 // plain loops.
 
 #include "attention.h"
+#include "vecmath.h"
 
 #include <algorithm>
 #include <limits>
@@ -83,30 +84,6 @@ void chunk_plain(const float* qf, const KV* kb, const KV* vb, const Chunk& c, co
 
 #if defined(__AVX512F__)
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-// e^x for x <= 0 (softmax inputs less their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
-// r^6 (relative error below 2e-7), times 2^n; below -87 the result is 0 or a denormal, as the scalar exp's.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
-  __m512 y = _mm512_set1_ps(1.f / 720);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(y, n);
-}
-
 template <typename KV, int G>
 void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
                   float* l, float* acc) {
@@ -146,6 +123,27 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
     }
     mx[g] = top;
     l[g] = _mm512_reduce_add_ps(total);
+  }
+  if (G <= 4 && D % 64 == 0) {  // 64 values of every head's sums in registers, one pass over the keys each
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 a[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len; ++j) {
+        const KV* vr = vb + (c.slots[j] * s.Hkv + c.kh) * D + d0;
+        const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(p[g * len + j]);
+          a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+          a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+          a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+          a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + g * D + d0 + 16 * i, a[g][i]);
+    }
+    return;
   }
   std::fill(acc, acc + G * D, 0.f);
   for (int64_t j = 0; j < len; ++j) {
@@ -240,10 +238,43 @@ void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int3
   }
 }
 
-}  // namespace
+// One query row per (token, kv head), its keys the range it sees: at and before its position, within the window
+// on sliding layers. The same chunk routine as decode, whole (no split: the rows are already many).
+template <typename T>
+void attend_extend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int32_t* kptr, const int32_t* kstart,
+                   const int32_t* qptr, const int32_t* qpos, int64_t B, int64_t window, T* out, const Shape& s) {
+  const int64_t G = s.G, D = s.D, H = s.H, Hkv = s.Hkv, tokens = qptr[B];
+  std::vector<int32_t> request(tokens);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = qptr[b]; t < qptr[b + 1]; ++t) request[t] = static_cast<int32_t>(b);
+  const auto routine = chunk_routine<T>(s);
+  const float pre = s.softcap > 0.f ? 1.f : s.scaling;
+  at::parallel_for(0, tokens * Hkv, 4, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf(G * D), acc(G * D), mx(G), l(G), p;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t t = it / Hkv, kh = it % Hkv, b = request[t];
+      const int64_t n = kptr[b + 1] - kptr[b], last = qpos[t] - kstart[b];  // the query's own key
+      const int64_t hi = std::min(n, last + 1), lo = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
+      T* o = out + (t * H + kh * G) * D;
+      if (hi <= lo) {  // nothing visible (a malformed list): zeros, as decode gives a request without keys
+        for (int64_t i = 0; i < G * D; ++i) store(o, i, 0.f);
+        continue;
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const T* qr = q + (t * H + kh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qr, d) * pre;
+      }
+      p.resize(G * (hi - lo));
+      routine(qf.data(), kb, vb, Chunk{idx + kptr[b] + lo, hi - lo, kh}, s, p.data(), mx.data(), l.data(), acc.data());
+      for (int64_t g = 0; g < G; ++g) {
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) store(o, g * D + d, acc[g * D + d] * inv);
+      }
+    }
+  });
+}
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
-                            const at::Tensor& indices, const at::Tensor& indptr, double scaling, double softcap) {
+void check_pools(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf) {
   check_float_or_bf16(q, "q");
   check_float_or_bf16(k_buf, "k_buf");
   check_float_or_bf16(v_buf, "v_buf");
@@ -251,8 +282,47 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
               "q must be (B, H, D), k_buf and v_buf (S, Hkv, D) alike");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "k_buf and v_buf must share a dtype");
   TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "q and the KV buffers must share a dtype");
+  TORCH_CHECK(k_buf.size(2) == q.size(2) && q.size(1) % k_buf.size(1) == 0, "head sizes disagree");
+}
+
+void check_int32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && (n < 0 || t.numel() == n), what,
+              " must be contiguous int32", n >= 0 ? " of the right length" : "");
+}
+
+}  // namespace
+
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& indices, const at::Tensor& indptr, const at::Tensor& key_start,
+                            const at::Tensor& q_indptr, const at::Tensor& q_positions, int64_t window, double scaling,
+                            double softcap) {
+  check_pools(q, k_buf, v_buf);
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), S = k_buf.size(0), Hkv = k_buf.size(1);
+  const int64_t B = key_start.numel();
+  check_int32(indices, -1, "indices");
+  check_int32(indptr, B + 1, "indptr");
+  check_int32(key_start, B, "key_start");
+  check_int32(q_indptr, B + 1, "q_indptr");
+  check_int32(q_positions, T, "q_positions");
+  const int32_t *kp = indptr.data_ptr<int32_t>(), *qp = q_indptr.data_ptr<int32_t>();
+  TORCH_CHECK(kp[0] == 0 && kp[B] <= indices.numel() && qp[0] == 0 && qp[B] == T, "indptr or q_indptr does not fit");
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(kp[b + 1] >= kp[b] && qp[b + 1] >= qp[b], "indptr and q_indptr must not decrease");
+  auto out = at::empty_like(q);
+  const Shape s{H, Hkv, H / Hkv, D, S, static_cast<float>(scaling), static_cast<float>(softcap)};
+  with_float_type(q.scalar_type(), [&](auto tag) {
+    using F = decltype(tag);
+    attend_extend<F>(data_of<F>(q), data_of<F>(k_buf), data_of<F>(v_buf), indices.data_ptr<int32_t>(), kp,
+                     key_start.data_ptr<int32_t>(), qp, q_positions.data_ptr<int32_t>(), B, window,
+                     mutable_data_of<F>(out), s);
+  });
+  return out;
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& indices, const at::Tensor& indptr, double scaling, double softcap) {
+  check_pools(q, k_buf, v_buf);
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), S = k_buf.size(0), Hkv = k_buf.size(1);
-  TORCH_CHECK(k_buf.size(2) == D && H % Hkv == 0, "head sizes disagree");
   TORCH_CHECK(indices.scalar_type() == at::kInt && indices.is_contiguous() && indptr.scalar_type() == at::kInt &&
                   indptr.is_contiguous() && indptr.numel() == B + 1,
               "indices and indptr must be contiguous int32, indptr (B + 1,)");

@@ -9,6 +9,15 @@ namespace swa {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
                             const at::Tensor& indices, const at::Tensor& indptr, double scaling, double softcap);
 
+// The new tokens of an extend (T, H, D), request b's rows q_indptr[b]..q_indptr[b+1], each at q_positions[t], over
+// request b's keys indices[indptr[b]:indptr[b+1]] at positions key_start[b], key_start[b] + 1, ...: a query sees
+// the keys at and before its position, and with a window W > 0 only the last W of them. Every key it cannot
+// see is skipped, not masked.
+at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf,
+                            const at::Tensor& indices, const at::Tensor& indptr, const at::Tensor& key_start,
+                            const at::Tensor& q_indptr, const at::Tensor& q_positions, int64_t window, double scaling,
+                            double softcap);
+
 // k_buf[loc[t]] = k[t] and v_buf[loc[t]] = v[t] for each token t (loc int64 or int32): k, v (T, Hkv, D) rows of
 // any stride.
 void write_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);

@@ -11,27 +11,12 @@
 
 #include <vector>
 
+#include "activation.h"
 #include "norms.h"
 
 namespace swa {
 
 namespace {
-
-// GELU (tanh approximation) of the gate times the up half, each rounded where torch's two operations round.
-template <typename T>
-void gelu_and_mul(const T* gate_up, T* out, int64_t rows, int64_t I) {
-  constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
-  constexpr float kKappa = 0.044715f;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* g = gate_up + r * 2 * I;
-    const T* u = g + I;
-    for (int64_t i = 0; i < I; ++i) {
-      const float x = load(g, i);
-      const float gelu = as_stored<T>(0.5f * x * (1.f + std::tanh(kBeta * (x + kKappa * x * x * x))));
-      store(out, r * I + i, gelu * load(u, i));
-    }
-  }
-}
 
 void check_rows(const at::Tensor& x, const char* what) {
   check_float_or_bf16(x, what);
@@ -98,7 +83,7 @@ at::Tensor layer_post(const at::Tensor& h, const at::Tensor& attn, const Project
     rms_rows<F>(y.data(), post_attn_scale.data_ptr<float>(), 1, data_of<F>(h), h1, T, hidden, e);  // h + norm(o)
     rms_rows<F>(h1, pre_ff_scale.data_ptr<float>(), 1, nullptr, x.data(), T, hidden, e);
     project<F>(gate_up, x.data(), T, gu.data());
-    gelu_and_mul<F>(gu.data(), a.data(), T, I);
+    gelu_and_mul_rows<F>(gu.data(), a.data(), T, I);
     project<F>(down, a.data(), T, y.data());
     rms_rows<F>(y.data(), post_ff_scale.data_ptr<float>(), 1, h1, mutable_data_of<F>(out), T, hidden, e);
   });

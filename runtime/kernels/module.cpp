@@ -2,6 +2,7 @@
 
 #include <torch/extension.h>
 
+#include "activation.h"
 #include "attention.h"
 #include "decode_layer.h"
 #include "norms.h"
@@ -11,7 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using swa::Projection;
   m.def("rms_norm", &swa::rms_norm, "RMSNorm of rows, optionally added to a residual");
   m.def("qk_norm_rope", &swa::qk_norm_rope, "per-head RMSNorm then rotary embedding");
+  m.def("gelu_and_mul", &swa::gelu_and_mul, "GELU (tanh) of the gate half times the up half of (T, 2I) rows");
   m.def("decode_attention", &swa::decode_attention, "one query per request over keys read in place");
+  m.def("extend_attention", &swa::extend_attention, "the new tokens of an extend over the keys each one sees");
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from runtime import kernels
-from runtime.layers.activation import gelu_tanh_and_mul
+from runtime.layers.activation import gelu_and_mul
 from runtime.layers.attention import Attention
 from runtime.layers.decode_linear import DecodeLinear
 from runtime.layers.linear import Embedding, Linear
@@ -69,8 +69,7 @@ class Gemma3MLP(nn.Module):
         self.register_load_state_dict_pre_hook(_merge_on_load("gate_up_proj", ("gate_proj", "up_proj")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (T, hidden) -> (T, hidden)
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # (T, I) each
-        return self.down_proj(gelu_tanh_and_mul(gate, up))
+        return self.down_proj(gelu_and_mul(self.gate_up_proj(x)))  # gate_up (T, 2I): gate | up
 
 
 class Gemma3Attention(nn.Module):

@@ -120,6 +120,63 @@ def test_decode_attention_far_apart_scores(K):
     torch.testing.assert_close(out, _reference_attention(q, k_buf, v_buf, indices, [n], 1.0), rtol=1e-5, atol=1e-5)
 
 
+def _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, scaling):
+    """Each new token over the keys it sees, by float32 SDPA over exactly those keys: (T, H, D)."""
+    out = torch.zeros(q.shape)
+    for b in range(len(starts)):
+        slots = indices[kptr[b]:kptr[b + 1]].long()
+        key_pos = starts[b] + torch.arange(len(slots))
+        for t in range(qptr[b], qptr[b + 1]):
+            seen = (key_pos <= positions[t]) & ((positions[t] - key_pos < window) if window else True)
+            k = k_buf[slots[seen]].float().transpose(0, 1)[None]  # (1, Hkv, n, D)
+            v = v_buf[slots[seen]].float().transpose(0, 1)[None]
+            qt = q[t].float()[None, :, None, :]
+            out[t] = F.scaled_dot_product_attention(qt, k, v, scale=scaling, enable_gqa=True)[0, :, 0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 8, 300])
+@pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 64), (6, 3, 40)], ids=["gemma3-270m", "2-per-kv-head", "head-dim-40"])
+def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
+    """Three requests in one extend: a fresh prompt, one with a cached prefix (its queries start past position 0),
+    one whose key list starts at a window's edge; each new token sees its own position and before, and with a
+    window only the last `window` keys."""
+    torch.manual_seed(window)
+    S, (H, Hkv, D) = 1024, heads
+    k_buf, v_buf = torch.randn(S, Hkv, D).to(dtype), torch.randn(S, Hkv, D).to(dtype)
+    # (key list start, keys, new tokens): the new tokens are the last ones of the list
+    requests = [(0, 37, 37), (0, 350, 20), (40, 70, 9)]
+    starts = [r[0] for r in requests]
+    kptr, qptr, positions = [0], [0], []
+    for start, n, new in requests:
+        kptr.append(kptr[-1] + n)
+        qptr.append(qptr[-1] + new)
+        positions += list(range(start + n - new, start + n))
+    indices = torch.randperm(S - 1)[:kptr[-1]].add(1).int()
+    q = torch.randn(qptr[-1], H, D).to(dtype)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    out = K.extend_attention(q, k_buf, v_buf, indices, as_int(kptr), as_int(starts), as_int(qptr), as_int(positions),
+                             window, 1 / 16, 0.0)
+    expected = _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, 1 / 16)
+    assert out.dtype == dtype and out.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-2)
+
+
+def test_extend_attention_refuses_lists_that_do_not_fit(K):
+    q, kv = torch.zeros(2, 2, 16), torch.zeros(8, 1, 16)
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    with pytest.raises(RuntimeError, match="does not fit"):
+        K.extend_attention(q, kv, kv, as_int([1, 2]), as_int([0, 2]), as_int([0]), as_int([0, 3]), as_int([0, 1]),
+                           0, 1.0, 0.0)  # three query rows claimed, two given
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        K.extend_attention(q, kv, kv, as_int([1, 9]), as_int([0, 2]), as_int([0]), as_int([0, 2]), as_int([0, 1]),
+                           0, 1.0, 0.0)
+
+
 def test_decode_attention_soft_capping(K):
     torch.manual_seed(0)
     S, H, Hkv, D, n, cap = 256, 2, 2, 64, 50, 5.0
@@ -357,3 +414,20 @@ def test_fused_layer_calls_refuse_shapes_that_do_not_chain(vnni):
     with pytest.raises(RuntimeError, match="1..8"):
         vnni.layer_pre(torch.zeros(9, 64).bfloat16(), s, w, torch.ones(3, 16), 1, 1, torch.ones(9, 16),
                        torch.ones(9, 16), 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 300])
+def test_gelu_and_mul_is_torchs_two_operations(K, rows):
+    """The same bits wherever the product is not tiny; below 1e-2 the GELU's tail (where 1 + tanh cancels,
+    in torch's float32 as in ours) may differ by a few millionths."""
+    torch.manual_seed(rows)
+    gate_up = (3 * torch.randn(rows, 2 * 2048)).bfloat16()
+    with torch.no_grad():
+        expected = F.gelu(gate_up[:, :2048], approximate="tanh") * gate_up[:, 2048:]
+    out = K.gelu_and_mul(gate_up)
+    assert out.shape == (rows, 2048) and out.dtype == torch.bfloat16
+    clear = expected.float().abs() > 1e-2
+    assert torch.equal(out[clear], expected[clear])
+    assert (out.float() - expected.float()).abs().max() < 1e-5
+    odd = torch.randn(3, 2 * 20)  # a width the vector code does not divide: the plain loop, float32
+    torch.testing.assert_close(K.gelu_and_mul(odd), F.gelu(odd[:, :20], approximate="tanh") * odd[:, 20:])

@@ -1,0 +1,75 @@
+// The gated GELU of Gemma's MLP in one pass: torch's `gelu(gate, approximate="tanh") * up` reads and writes the
+// (T, I) intermediate twice and computes its tanh one value at a time (2.3 ms a call for 2048 rows of 2048 on a
+// 2-core EPYC); here sixteen values at a time, rounded where torch rounds.
+
+#include "activation.h"
+
+#include "vecmath.h"
+
+namespace swa {
+
+namespace {
+
+constexpr float kBeta = 0.7978845608028654f;  // sqrt(2 / pi)
+constexpr float kKappa = 0.044715f;
+
+inline float gelu(float x) { return 0.5f * x * (1.f + std::tanh(kBeta * (x + kKappa * x * x * x))); }
+
+#if defined(__AVX512F__)
+inline __m512 gelu16(__m512 x) {
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(kBeta),
+                                     _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(kKappa), x), _mm512_mul_ps(x, x), x));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), tanh16(inner)));
+}
+
+// The value a torch path storing in T holds: rounded to bfloat16, or as is.
+inline __m512 as_stored16(float*, __m512 v) { return v; }
+inline __m512 as_stored16(bf16*, __m512 v) {
+  alignas(64) bf16 tmp[16];
+  store16(tmp, v);
+  return load16(tmp);
+}
+#endif
+
+}  // namespace
+
+template <typename T>
+void gelu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+#if defined(__AVX512F__)
+      for (; i + 16 <= I; i += 16) {
+        const __m512 a = as_stored16(static_cast<T*>(nullptr), gelu16(load16(g + i)));
+        store16(o + i, _mm512_mul_ps(a, load16(u + i)));
+      }
+#endif
+      for (; i < I; ++i) store(o, i, as_stored<T>(gelu(load(g, i))) * load(u, i));
+    }
+  };
+  if (rows <= 8) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, 8, body);
+  }
+}
+
+template void gelu_and_mul_rows<float>(const float*, float*, int64_t, int64_t);
+template void gelu_and_mul_rows<bf16>(const bf16*, bf16*, int64_t, int64_t);
+
+at::Tensor gelu_and_mul(const at::Tensor& gate_up) {
+  check_float_or_bf16(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be (T, 2I)");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({rows, I}, gate_up.options());
+  with_float_type(gate_up.scalar_type(), [&](auto tag) {
+    using F = decltype(tag);
+    gelu_and_mul_rows<F>(data_of<F>(gate_up), mutable_data_of<F>(out), rows, I);
+  });
+  return out;
+}
+
+}  // namespace swa

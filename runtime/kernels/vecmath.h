@@ -1,0 +1,62 @@
+// Vector code on AVX-512 for the kernels: loads and stores of 16 values, the exponential of softmax inputs, tanh for
+// the GELU.
+
+#pragma once
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace swa {
+
+// Sixteen float32 or bfloat16 values as float32, and back (bfloat16 rounded to nearest even, NaN kept quiet, as
+// `store` does).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(bf16* p, __m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// e^x for x <= 0 (softmax inputs less their maximum): x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor series to
+// r^6 (relative error below 2e-7), times 2^n; below -87 the result is 0 or a denormal, as the scalar exp's.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 y = _mm512_set1_ps(1.f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
+// tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|): absolute error below 2e-7, which the GELU's output, rounded to
+// bfloat16 (2^-9 relative), does not see.
+inline __m512 tanh16(__m512 x) {
+  const __m512 ax = _mm512_abs_ps(x);
+  const __m512 e = exp_nonpositive(_mm512_mul_ps(ax, _mm512_set1_ps(-2.f)));
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(t),
+                                             _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
+}
+
+}  // namespace swa
+
+#endif
