@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from runtime.layers.linear import Embedding, Linear
-from runtime.layers.quantized import DYNAMIC_MAX_ROWS, Int8Embedding, _Int8Rows
+from runtime.layers.quantized import Int8Embedding, _Int8Rows
 
 READ_BUFFER_BYTES = 1 << 30  # far past any last-level cache of the machines this runs on (480 MiB seen)
 
@@ -31,7 +31,10 @@ def _head_bytes(module: nn.Module, rows: int) -> int:
     """Bytes the LM head multiplies with at `rows` rows: its int8 copy where it takes them, else its weight."""
     if isinstance(module, _Int8Rows):
         return _int8_bytes(module)
-    if getattr(module, "int8", None) is not None and rows <= DYNAMIC_MAX_ROWS:
+    copy = getattr(module, "int8", None)
+    if copy is not None and rows <= copy.max_rows:
+        if copy.vnni_weight is not None:  # our kernel's layout: its own count (per-block scales, if any)
+            return copy.vnni_weight.nbytes()
         w = module.weight
         return w.numel() + w.shape[0] * 4  # int8 per-channel weights and their float32 scales
     return module.weight.numel() * module.weight.element_size()

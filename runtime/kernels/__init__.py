@@ -105,3 +105,10 @@ def for_tensor(x: torch.Tensor):
     if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     return load()
+
+
+def has_vnni() -> bool:
+    """Whether the kernels are built and hold the low-bit projections (AVX512-VNNI): the decode copies and the
+    int8 head then live in their layouts."""
+    module = load()
+    return module is not None and module.has_vnni()

@@ -19,14 +19,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
   pybind11::class_<Projection>(m, "Projection", "a weight in a low-bit decode kernel's packed layout")
-      .def_static("int8", &Projection::int8, "int8 (N, K) and float32 scales (N,): W = q * scale per row")
+      .def_static("int8", &Projection::int8,
+                  "int8 (N, K) and float32 scales (N,) or (N, K/32): W = q * scale per row or per block of 32")
       .def_static("int4", &Projection::int4, "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q")
       .def("matmul", &Projection::matmul, pybind11::arg("x"), pybind11::arg("float_out") = false,
            "x (M, K), M in 1..8, times the weight's transpose: (M, N) in x's dtype, or float32")
       .def_property_readonly("out_features", &Projection::out_features)
       .def_property_readonly("in_features", &Projection::in_features)
       .def_property_readonly("nbytes", &Projection::nbytes)
-      .def_property_readonly("format", [](const Projection& p) { return p.format() == swa::Format::kInt8 ? "int8" : "int4"; });
+      .def_property_readonly("format", [](const Projection& p) {
+        switch (p.format()) {
+          case swa::Format::kInt8: return "int8";
+          case swa::Format::kInt8Block: return "int8-block";
+          default: return "int4";
+        }
+      });
   m.def("layer_pre", &swa::layer_pre, "a decoder layer before its attention: q, k, v");
   m.def("layer_post", &swa::layer_post, "a decoder layer after its attention: its output");
 }

@@ -9,11 +9,17 @@
 // Layouts, made once at load (`Projection::int8`, `Projection::int4`), in groups of 16 rows:
 // - int8: per block of 32 values, 8 lines; line j holds, for each of the 16 rows in turn, its values 4j..4j+3
 //   stored as w + 128 (unsigned, what the instruction's first operand takes); the 128 comes back out through
-//   each activation block's sum. One float scale a row.
+//   each activation block's sum. One float scale a row, or one float16 per row and block (a GGUF's Q5_0 and Q8_0
+//   tensors are int8 values times a float16 scale per block of 32: used exactly, in 8.5 bits a weight, Q8_0's
+//   own size), 16 of them per (16 rows, block).
 // - int4 (a GGUF's Q4_K tensors, exactly: 16 levels `low + step * q` per group of 32): per block, 4 lines;
 //   line j holds for each row 4 bytes, values 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones.
 //   The group's step and low are float32, 16 steps then 16 lows per (16 rows, block), so nothing is rounded:
 //   y = sum over blocks of step * xscale * (q . xq) + low * (sum of the block's activations).
+//
+// Many rows (prefill) go through the same layouts in tiles (`run_tiled`): 4 rows of activations by 48 columns of
+// weights, one `vpdpbusd` for 64 multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked
+// GEMM runs on; a tile's weights stay in the core's caches while its rows go by.
 //
 // Each thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one
 // stream per core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon),
@@ -23,11 +29,42 @@
 
 #include <algorithm>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
-#endif
+#include "vecmath.h"
 
 namespace swa {
+
+// One block of 32 values: symmetric int8 by its largest magnitude (round half to even), its scale, the sum of its
+// int8 values and of its own values.
+template <typename T>
+inline void quantize_block(const T* v, int8_t* q, float* scale, int32_t* qsum, float* sum) {
+#if defined(__AVX512F__)
+  const __m512 a = load16(v), b = load16(v + 16);
+  const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inv = _mm512_set1_ps(top > 0.f ? 127.f / top : 0.f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  *scale = top / 127.f;
+  *qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+  *sum = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+#else
+  float top = 0.f, total = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    top = std::max(top, std::fabs(load(v, i)));
+    total += load(v, i);
+  }
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  int32_t s = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(load(v, i) * inv));
+    q[i] = static_cast<int8_t>(qi);
+    s += qi;
+  }
+  *scale = top / 127.f;
+  *qsum = s;
+  *sum = total;
+#endif
+}
 
 template <typename T>
 void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols) {
@@ -38,25 +75,15 @@ void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols) {
   scale.resize(M * blocks);
   sum.resize(M * blocks);
   qsum.resize(M * blocks);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      float v[kBlock], top = 0.f, total = 0.f;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        v[i] = load(x, m * K + b * kBlock + i);
-        top = std::max(top, std::fabs(v[i]));
-        total += v[i];
-      }
-      const float inv = top > 0.f ? 127.f / top : 0.f;
-      int32_t s = 0;
-      for (int64_t i = 0; i < kBlock; ++i) {
-        const int32_t qi = static_cast<int32_t>(std::nearbyint(v[i] * inv));
-        q[m * K + b * kBlock + i] = static_cast<int8_t>(qi);
-        s += qi;
-      }
-      scale[m * blocks + b] = top / 127.f;
-      qsum[m * blocks + b] = s;
-      sum[m * blocks + b] = total;
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * blocks; i < r1 * blocks; ++i) {
+      quantize_block(x + i * kBlock, q.data() + i * kBlock, &scale[i], &qsum[i], &sum[i]);
     }
+  };
+  if (M <= kMaxRows) {
+    body(0, M);
+  } else {
+    at::parallel_for(0, M, 16, body);
   }
 }
 
@@ -65,12 +92,25 @@ template void QuantizedRows::quantize<bf16>(const bf16*, int64_t, int64_t);
 
 Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "w must be contiguous int8 (N, K)");
-  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t N = w.size(0), K = w.size(1), blocks = K / kBlock;
   TORCH_CHECK(N % 16 == 0 && K % kBlock == 0, "N must be a multiple of 16 and K of 32");
-  check_scale(scales, N, "scales");
+  const bool per_block = scales.dim() == 2;
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() &&
+                  (per_block ? scales.size(0) == N && scales.size(1) == blocks : scales.numel() == N),
+              "scales must be contiguous float32 (N,) or (N, K / 32)");
   auto out = at::empty({N * K}, at::kByte);
+  // Per-block scales are kept as float16, the GGUF's own (Q8_0 and Q5_0 store d in float16): exact, 2 bytes a block.
+  auto sc = per_block ? at::empty({N * blocks}, at::kHalf) : scales.clone();
   const int8_t* src = w.data_ptr<int8_t>();
+  const float* ssrc = scales.data_ptr<float>();
   uint8_t* dst = out.data_ptr<uint8_t>();
+  if (per_block) {
+    for (int64_t i = 0; i < N * blocks; ++i) {
+      TORCH_CHECK(static_cast<float>(c10::Half(ssrc[i])) == ssrc[i],
+                  "per-block scales must be float16 values (a GGUF's Q8_0 or Q5_0 scales), got ", ssrc[i]);
+    }
+  }
+  auto* hdst = per_block ? sc.data_ptr<at::Half>() : nullptr;
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t j = 0; j < K / 4; ++j) {
@@ -81,9 +121,13 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
           }
         }
       }
+      if (per_block) {  // 16 scales per (16 rows, block), in the order the kernels read them
+        for (int64_t b = 0; b < blocks; ++b)
+          for (int64_t r = 0; r < 16; ++r) hdst[(g * blocks + b) * 16 + r] = c10::Half(ssrc[(g * 16 + r) * blocks + b]);
+      }
     }
   });
-  return Projection(out, scales.clone(), N, K, Format::kInt8);
+  return Projection(out, sc, N, K, per_block ? Format::kInt8Block : Format::kInt8);
 }
 
 Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, const at::Tensor& low) {
@@ -132,6 +176,11 @@ inline __m512i broadcast_quad(const int8_t* p) {
   return _mm512_set1_epi32(quad);
 }
 
+// Sixteen float16 scales at index i of a per-block scale array (its storage handed around as float*).
+inline __m512 load_halves(const float* scales, int64_t i) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(scales) + i)));
+}
+
 template <typename T>
 inline void store_group(T* y, int64_t first, __m512 v) {
   alignas(64) float out[16];
@@ -143,7 +192,7 @@ template <Format F, typename T, int M, int S>
 void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
                int64_t g1) {
   const int64_t K = x.K, blocks = K / kBlock;
-  constexpr int64_t kLines = F == Format::kInt8 ? 8 : 4;  // 64-byte lines per 16 rows and block
+  constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;  // 64-byte lines per 16 rows and block
   const int64_t group_bytes = blocks * kLines * 64;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const int8_t* xq = x.q.data();
@@ -165,7 +214,7 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
       for (int64_t j = 0; j < kLines; ++j) {
         for (int st = 0; st < live; ++st) {
           const __m512i line = _mm512_loadu_si512(w + gs[st] * group_bytes + (b * kLines + j) * 64);
-          if constexpr (F == Format::kInt8) {
+          if constexpr (F != Format::kInt4) {
             for (int m = 0; m < M; ++m)
               dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], line, broadcast_quad(xq + m * K + b * kBlock + j * 4));
           } else {
@@ -185,6 +234,15 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
           const __m512 sx = _mm512_set1_ps(x.scale[m * blocks + b]);
           for (int st = 0; st < live; ++st)
             acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+        }
+      } else if constexpr (F == Format::kInt8Block) {
+        for (int st = 0; st < live; ++st) {
+          const __m512 ws = load_halves(scales, (gs[st] * blocks + b) * 16);
+          for (int m = 0; m < M; ++m) {
+            const __m512i corr = _mm512_set1_epi32(128 * x.qsum[m * blocks + b]);
+            const __m512 sx = _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[m * blocks + b]));
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+          }
         }
       } else {
         for (int st = 0; st < live; ++st) {
@@ -224,16 +282,133 @@ void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const Quantized
   }
 }
 
+// A tile of MR rows by NR groups of 16 columns, whole K: per block of 32 values the integer sums of each (row, column),
+// then scaled into float32 sums; the weights of the NR groups are read once for the MR rows.
+template <Format F, typename T, int MR, int NR>
+void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g0, T* y, int64_t N) {
+  const int64_t K = x.K, blocks = K / kBlock;
+  constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;
+  const int64_t group_bytes = blocks * kLines * 64;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int8_t* xq = x.q.data() + m0 * K;
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kLines; ++j) {
+      __m512i lines[NR];
+      for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(w + (g0 + n) * group_bytes + (b * kLines + j) * 64);
+      if constexpr (F != Format::kInt4) {
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xb = broadcast_quad(xq + m * K + b * kBlock + j * 4);
+          for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lines[n], xb);
+        }
+      } else {
+        __m512i lo[NR], hi[NR];
+        for (int n = 0; n < NR; ++n) {
+          lo[n] = _mm512_and_si512(lines[n], nibble);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(lines[n], 4), nibble);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xl = broadcast_quad(xq + m * K + b * kBlock + j * 8);
+          const __m512i xh = broadcast_quad(xq + m * K + b * kBlock + j * 8 + 4);
+          for (int n = 0; n < NR; ++n) {
+            dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lo[n], xl);
+            dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], hi[n], xh);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xi = (m0 + m) * blocks + b;
+      if constexpr (F == Format::kInt8) {
+        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
+        for (int n = 0; n < NR; ++n)
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), sx, acc[m][n]);
+      } else if constexpr (F == Format::kInt8Block) {
+        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
+        for (int n = 0; n < NR; ++n) {
+          const __m512 ws = _mm512_mul_ps(load_halves(scales, ((g0 + n) * blocks + b) * 16), sx);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), ws, acc[m][n]);
+        }
+      } else {
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]), total = _mm512_set1_ps(x.sum[xi]);
+        for (int n = 0; n < NR; ++n) {
+          const float* s = scales + ((g0 + n) * blocks + b) * 32;
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), _mm512_mul_ps(_mm512_loadu_ps(s), sx), acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_loadu_ps(s + 16), total, acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
+      __m512 out = acc[m][n];
+      if constexpr (F == Format::kInt8) out = _mm512_mul_ps(out, _mm512_loadu_ps(scales + (g0 + n) * 16));
+      store_group(y + (m0 + m) * N, (g0 + n) * 16, out);
+    }
+  }
+}
+
+// Rows m0..m1 against groups g0..g1, in tiles of 4 rows by 3 groups (fewer at the edges).
+template <Format F, typename T>
+void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
+           T* y, int64_t N) {
+  for (int64_t g = g0; g < g1; g += 3) {
+    const int64_t ng = std::min<int64_t>(3, g1 - g);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+      if (ng == 3) tile<F, T, 4, 3>(w, sc, x, m, g, y, N);
+      else if (ng == 2) tile<F, T, 4, 2>(w, sc, x, m, g, y, N);
+      else tile<F, T, 4, 1>(w, sc, x, m, g, y, N);
+    }
+    for (; m < m1; ++m) {
+      if (ng == 3) tile<F, T, 1, 3>(w, sc, x, m, g, y, N);
+      else if (ng == 2) tile<F, T, 1, 2>(w, sc, x, m, g, y, N);
+      else tile<F, T, 1, 1>(w, sc, x, m, g, y, N);
+    }
+  }
+}
+
+template <typename T>
+void Projection::run_tiled(const QuantizedRows& x, T* y) const {
+  TORCH_CHECK(x.K == K_ && x.M >= 1, "activations must be (M, ", K_, ")");
+  const uint8_t* w = packed_.data_ptr<uint8_t>();
+  const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block (`load_halves`)
+  // Blocks of 32 rows, each against every column, the groups in chunks whose weights stay in the core's cache
+  // while the block's rows go by.
+  constexpr int64_t kRowBlock = 32, kGroupChunk = 12;
+  const int64_t groups = N_ / 16, row_blocks = (x.M + kRowBlock - 1) / kRowBlock;
+  const int64_t chunks = (groups + kGroupChunk - 1) / kGroupChunk;
+  at::parallel_for(0, row_blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t rb = i / chunks, c = i % chunks;
+      const int64_t m0 = rb * kRowBlock, m1 = std::min(x.M, m0 + kRowBlock);
+      const int64_t g0 = c * kGroupChunk, g1 = std::min(groups, g0 + kGroupChunk);
+      switch (format_) {
+        case Format::kInt8: tiles<Format::kInt8>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+      }
+    }
+  });
+}
+
 template <typename T>
 void Projection::run(const QuantizedRows& x, T* y) const {
   TORCH_CHECK(x.K == K_ && x.M >= 1 && x.M <= kMaxRows, "activations must be (M, ", K_, ") with M in 1..8");
   const uint8_t* w = packed_.data_ptr<uint8_t>();
-  const float* sc = scales_.data_ptr<float>();
+  const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block (`load_halves`)
   at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
-    if (format_ == Format::kInt8) {
-      vnni_dispatch<Format::kInt8>(x.M, w, sc, x, y, N_, g0, g1);
-    } else {
-      vnni_dispatch<Format::kInt4>(x.M, w, sc, x, y, N_, g0, g1);
+    switch (format_) {
+      case Format::kInt8: vnni_dispatch<Format::kInt8>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt8Block: vnni_dispatch<Format::kInt8Block>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt4: vnni_dispatch<Format::kInt4>(x.M, w, sc, x, y, N_, g0, g1); break;
     }
   });
 }
@@ -245,19 +420,31 @@ void Projection::run(const QuantizedRows&, T*) const {
   TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
 }
 
+template <typename T>
+void Projection::run_tiled(const QuantizedRows&, T*) const {
+  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+}
+
 #endif
 
 template void Projection::run<float>(const QuantizedRows&, float*) const;
 template void Projection::run<bf16>(const QuantizedRows&, bf16*) const;
+template void Projection::run_tiled<float>(const QuantizedRows&, float*) const;
+template void Projection::run_tiled<bf16>(const QuantizedRows&, bf16*) const;
 
 at::Tensor Projection::matmul(const at::Tensor& x, bool float_out) const {
   check_float_or_bf16(x, "x");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K_, "x must be (M, ", K_,
-              ") with M in 1..8, got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K_, "x must be (M, ", K_, "), got ", x.sizes());
   QuantizedRows xq;
   with_float_type(x.scalar_type(), [&](auto tag) { xq.quantize(data_of<decltype(tag)>(x), x.size(0), K_); });
   auto y = at::empty({x.size(0), N_}, x.options().dtype(float_out ? at::kFloat : x.scalar_type()));
-  with_float_type(y.scalar_type(), [&](auto tag) { run(xq, mutable_data_of<decltype(tag)>(y)); });
+  with_float_type(y.scalar_type(), [&](auto tag) {
+    if (xq.M <= kMaxRows) {
+      run(xq, mutable_data_of<decltype(tag)>(y));
+    } else {
+      run_tiled(xq, mutable_data_of<decltype(tag)>(y));
+    }
+  });
   return y;
 }
 

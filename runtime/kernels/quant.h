@@ -10,7 +10,7 @@
 namespace swa {
 
 constexpr int64_t kBlock = 32;   // activation values per quantisation block; int4 weights per (scale, offset)
-constexpr int64_t kMaxRows = 8;  // rows a call takes (the kernels keep a row's sums in registers)
+constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
@@ -31,23 +31,28 @@ struct QuantizedRows {
   void quantize(const T* x, int64_t rows, int64_t cols);
 };
 
-enum class Format : int64_t { kInt8 = 0, kInt4 = 1 };
+// kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
+// tensors, exactly); kInt4: 16 levels with a step and an offset per row and block.
+enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2 };
 
 // One weight (N, K) in a kernel's packed layout: y (M, N) = x (M, K) @ W^T for M in 1..8.
 class Projection {
  public:
-  // int8 (N, K) with float32 scales (N,): W = q * scale per row.
+  // int8 (N, K) with float32 scales (N,): W = q * scale per row; or (N, K / 32): W = q * scale per block of 32.
   static Projection int8(const at::Tensor& q, const at::Tensor& scales);
   // q (N, K) in 0..15 (uint8 or int32), step and low (N, K / 32) float32: W = low + step * q per group of 32.
   static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low);
 
-  at::Tensor matmul(const at::Tensor& x, bool float_out) const;  // (M, K) -> (M, N), x's dtype or float32
+  // (M, K) -> (M, N) in x's dtype or float32: up to kMaxRows rows streamed (`run`), more in tiles (`run_tiled`).
+  at::Tensor matmul(const at::Tensor& x, bool float_out) const;
   template <typename T>
-  void run(const QuantizedRows& x, T* y) const;  // y (x.M, N), threads from ATen's pool
+  void run(const QuantizedRows& x, T* y) const;  // y (x.M <= 8, N), threads from ATen's pool
+  template <typename T>
+  void run_tiled(const QuantizedRows& x, T* y) const;  // y (x.M, N): prefill's many rows
 
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
-  int64_t nbytes() const { return packed_.numel() + scales_.numel() * 4; }
+  int64_t nbytes() const { return packed_.numel() + scales_.numel() * scales_.element_size(); }
   Format format() const { return format_; }
 
  private:

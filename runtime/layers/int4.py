@@ -14,9 +14,10 @@ bfloat16 copy for these weights. Two kernels:
   which streamed at about 9 GB/s on a 2-core Xeon (one row through a 640 x 1024 weight: 116 against 429 us
   prepacked bfloat16).
 
-Either way only up to `INT4_MAX_ROWS` rows take it (torch's kernel's cost grows with the rows faster than a
-GEMM's: 8 rows 1.2x faster than bfloat16, 32 rows 2x slower; ours takes 8 rows a call); prefill keeps the
-prepacked bfloat16 weight (the layer that chooses: `runtime/layers/decode_linear.py`).
+Ours takes every row count (prefill's in tiles: 1.2x prepacked bfloat16 at 600 rows on a 2-core EPYC); torch's
+only up to `INT4_MAX_ROWS` rows (its cost grows with the rows faster than a GEMM's: 8 rows 1.2x faster than
+bfloat16, 32 rows 2x slower), more keep the prepacked bfloat16 weight (the layer that chooses:
+`runtime/layers/decode_linear.py`).
 
 Nothing is re-quantised: `int4_grid` finds the grid or declines, so a weight that is not exactly 4-bit
 (Q5_0, Q6_K, Q8_0, a Hugging Face checkpoint, float32 rounded to bfloat16 before loading) keeps its bfloat16
@@ -31,7 +32,8 @@ from runtime import kernels
 
 GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
 LEVELS = 16
-INT4_MAX_ROWS = 8  # rows up to which the int4 kernel is faster than prepacked bfloat16 (module docstring)
+INT4_MAX_ROWS = 8  # rows up to which torch's int4 kernel is faster than prepacked bfloat16 (module docstring)
+EVERY_ROW = 1 << 62  # the `max_rows` of a copy on our kernels: they take any row count, prefill's too
 GRID_TOLERANCE = 1e-3  # of a grid step: float32 rounding in `s * q - m`, far below a step
 KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
@@ -86,6 +88,7 @@ class Int4Weight:
         module = kernels.load()
         if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % GROUP == 0:
             self.projection = module.Projection.int4(q, step.float().contiguous(), low.float().contiguous())
+            self.max_rows = EVERY_ROW
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # (N, K/2) uint8
         # the kernel's (K/32, N, 2): scale and zero, with weight = (q - 8) * scale + zero
@@ -94,21 +97,14 @@ class Int4Weight:
     @staticmethod
     def wanted(weight: torch.Tensor, dtype: torch.dtype) -> bool:
         """bfloat16 activations on a CPU with a kernel; float32 models stay exact and untouched."""
-        return dtype == torch.bfloat16 and weight.device.type == "cpu" and (KERNEL_AVAILABLE or _vnni())
+        return dtype == torch.bfloat16 and weight.device.type == "cpu" and (KERNEL_AVAILABLE or kernels.has_vnni())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         if self.projection is not None:
-            if x.shape[0] <= self.max_rows:
-                return self.projection.matmul(x.contiguous())
-            return torch.cat([self.matmul(x[i:i + self.max_rows]) for i in range(0, x.shape[0], self.max_rows)])
+            return self.projection.matmul(x.contiguous())
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
 
     def nbytes(self) -> int:
         if self.projection is not None:
             return self.projection.nbytes
         return self.packed.numel() + self.scales_and_zeros.numel() * self.scales_and_zeros.element_size()
-
-
-def _vnni() -> bool:
-    module = kernels.load()
-    return module is not None and module.has_vnni()

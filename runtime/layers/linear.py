@@ -70,7 +70,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = 
 
 def _pack_on_load(module: nn.Module, incompatible_keys) -> None:
     """load_state_dict post-hook: (re)pack the freshly loaded weight, or drop a stale pack."""
-    module.packed = PackedWeight(module.weight) if PackedWeight.wanted(module.weight) else None
+    wanted = PackedWeight.wanted(module.weight) and getattr(module, "wants_pack", lambda: True)()
+    module.packed = PackedWeight(module.weight) if wanted else None
 
 
 class Linear(nn.Module):

@@ -7,14 +7,16 @@ import torch.nn.functional as F
 
 from runtime.layers import int4
 from runtime import kernels
-from runtime.layers.decode_linear import INT8_MAX_ROWS, VNNI_MAX_ROWS, DecodeLinear, Int8DecodeWeight
-from runtime.layers.int4 import GROUP, INT4_MAX_ROWS, Int4Weight, int4_grid
+from runtime.layers.decode_linear import INT8_MAX_ROWS, DecodeLinear, Int8DecodeWeight
+from runtime.layers.int4 import EVERY_ROW, GROUP, INT4_MAX_ROWS, Int4Weight, int4_grid
+from runtime.layers.int8_blocks import int8_block_grid
+from runtime.layers.linear import PackedWeight
 from runtime.layers.quantized import kernel_path_only
 from runtime.memory_bound import decode_weight_bytes
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 
-needs_kernel = pytest.mark.skipif(not int4.KERNEL_AVAILABLE and not int4._vnni(), reason="no CPU int4 kernel here")
+needs_kernel = pytest.mark.skipif(not int4.KERNEL_AVAILABLE and not kernels.has_vnni(), reason="no CPU int4 kernel here")
 
 
 def q4k_like(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -39,6 +41,43 @@ def test_a_4bit_weight_is_recovered_exactly():
     assert step[1, 1] == 0 and int((step > 0).sum()) == step.numel() - 1  # the constant group alone: step 0
 
 
+def symmetric_blocks_like(rows: int, cols: int, top: int, seed: int = 0) -> torch.Tensor:
+    """float32 values as a GGUF Q5_0 (top -16: n in -16..15) or Q8_0 (top 127: n in -127..127) tensor dequantises:
+    `d * n` per block of 32, d a float16, the block's largest magnitude at `top`."""
+    gen = torch.Generator().manual_seed(seed)
+    n = torch.randint(-abs(top) + 1, abs(top), (rows, cols // 32, 32), generator=gen)
+    n[:, :, 0] = top
+    d = (torch.rand(rows, cols // 32, 1, generator=gen) / 100).half().float()
+    return (d * n).reshape(rows, cols)
+
+
+def test_an_int8_block_weight_is_recovered_exactly():
+    for w in (symmetric_blocks_like(32, 128, -16), symmetric_blocks_like(32, 128, 127)):  # Q5_0, Q8_0
+        w[3, :32] = 0  # an all-zero block
+        q, scales = int8_block_grid(w)
+        assert q.dtype == torch.int8 and scales.shape == (32, 4)
+        assert torch.equal(q.float() * scales.repeat_interleave(32, 1), w)
+        assert scales[3, 0] == 0
+    assert int8_block_grid(torch.randn(32, 128)) is None
+    assert int8_block_grid(q4k_like(32, 128)) is None  # asymmetric levels: not one scale times integers
+    assert int8_block_grid(torch.randint(-127, 128, (32, 128)) * 0.003) is None  # integers, but 0.003 is no float16
+
+
+@needs_kernel
+def test_a_q5_0_weight_gets_an_exact_int8_copy():
+    if not kernels.has_vnni():
+        pytest.skip("per-block int8 scales are our kernels' (AVX512-VNNI)")
+    w = symmetric_blocks_like(96, 128, -16)
+    layer = DecodeLinear(128, 96).to(torch.bfloat16)
+    layer.load_state_dict({"weight": w})
+    assert layer.decode.projection.format == "int8-block" and "per block (exact)" in repr(layer)
+    x = torch.randn(5, 128).bfloat16()
+    with torch.no_grad():
+        got = layer(x).float()
+    ref = x.float() @ w.T
+    assert (got - ref).norm() / ref.norm() < 0.02  # the activations' int8 blocks and the output's bfloat16 only
+
+
 @pytest.mark.parametrize("weight", [
     torch.randn(24, 128),  # float weights
     torch.randint(-16, 16, (24, 128)).float() * 0.01,  # 32 levels (Q5_0-like)
@@ -56,25 +95,27 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
     assert isinstance(layer.decode, Int4Weight if kind == "int4" else Int8DecodeWeight) and kind in repr(layer)
-    vnni = kernels.load() is not None and kernels.load().has_vnni()  # our int8 kernel: up to 8 rows
-    assert layer.decode.max_rows == (INT4_MAX_ROWS if kind == "int4" else VNNI_MAX_ROWS if vnni else INT8_MAX_ROWS)
+    ours = layer.decode.projection is not None  # our kernels (AVX512-VNNI): every row count, prefill's too
+    assert ours == (kernels.load() is not None and kernels.load().has_vnni())
+    assert layer.decode.max_rows == (EVERY_ROW if ours else INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
+    assert (layer.packed is None) == (ours or not PackedWeight.wanted(layer.weight))  # no pack beside our copy
     assert list(layer.state_dict()) == ["weight"]  # derived, never saved
-    for rows in (1, layer.decode.max_rows):
+    for rows in (1, 8, 600):
         x = torch.randn(rows, 128).bfloat16()
         with torch.no_grad():
             got, dense = layer(x), F.linear(x, w.bfloat16())
         ref = F.linear(x.float(), w)
-        if kind == "int4" and layer.decode.projection is None:
+        if rows > layer.decode.max_rows:  # torch's kernels: more rows take the bfloat16 weight
+            assert torch.equal(got, F.linear(x, layer.weight))
+        elif kind == "int4" and not ours:
             # torch's kernel: as close as the bfloat16 weight gets (the scales' rounding against every weight's)
             assert (got.float() - ref).abs().max() <= 2 * (dense.float() - ref).abs().max()
         else:  # per-channel int8: half a step of 1/127 of a row's largest weight; our kernels: int8 activation
             # blocks (tests/kernels holds their exact arithmetic)
             torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
-    x = torch.randn(layer.decode.max_rows + 1, 128).bfloat16()
-    with torch.no_grad():
-        assert torch.equal(layer(x), F.linear(x, layer.weight))  # more rows: the bfloat16 weight
-        with kernel_path_only():
-            assert torch.equal(layer(x), layer.decode.matmul(x))  # the quality benchmark's decode path
+    x = torch.randn(9, 128).bfloat16()
+    with torch.no_grad(), kernel_path_only():
+        assert torch.equal(layer(x), layer.decode.matmul(x))  # the quality benchmark's decode path
 
 
 @needs_kernel

@@ -78,6 +78,9 @@ def test_more_rows_take_the_float_weight_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_with_an_int8_head_is_the_plain_model_but_for_its_logits(dtype):
+    """...and, in bfloat16 on our kernels (AVX512-VNNI), but for its projections: their low-bit copies take every
+    row count there (tests/models/test_decode_linear.py), so the hidden states are the plain model's only
+    within the int8 activation blocks' error."""
     config = Gemma3Config.tiny()
     state = random_state_dict(config, seed=0, lively=False)
     plain = build_model(config, state, dtype)
@@ -86,13 +89,18 @@ def test_a_model_with_an_int8_head_is_the_plain_model_but_for_its_logits(dtype):
     assert isinstance(model.model.embed_tokens, Int8HeadEmbedding)
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Linear)  # plus int4/int8 copies for decode
     assert list(model.state_dict()) == list(plain.state_dict())  # nothing int8 is saved: it is re-made on load
-    ids = torch.tensor([3, 17, 200, 5, 9, 11, 42, 7, 100, 250])  # more rows than the decode copies take
+    ids = torch.tensor([3, 17, 200, 5, 9, 11, 42, 7, 100, 250])  # more rows than torch's int8 kernels take
     positions = torch.arange(len(ids))
     ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=DenseCausalBackend())
     with torch.no_grad():
         with forward_context(ctx):
             hidden, hidden_plain = model(ids, positions), plain(ids, positions)
-        assert torch.equal(hidden, hidden_plain)
+        copies = model.model.layers[0].self_attn.qkv_proj.decode
+        if copies is not None and copies.max_rows >= len(ids):  # our kernels
+            torch.testing.assert_close(hidden.float(), hidden_plain.float(), rtol=0.1, atol=0.1)
+            assert not torch.equal(hidden, hidden_plain)
+        else:
+            assert torch.equal(hidden, hidden_plain)
         last = hidden[-1:]
         rtol = 2**-8 if dtype == torch.bfloat16 else 1e-5
         # quantised from the checkpoint's float32 values, not from their copy in the model's dtype
