@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from runtime import kernels
+from runtime.layers.grid_search import grid_steps
 
 GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
 LEVELS = 16
@@ -59,18 +60,9 @@ def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     w = weight.float().reshape(-1, GROUP)  # (N K/32, 32): one group a row
     low = w.amin(-1)
     offsets = w - low[:, None]
-    span = offsets.amax(-1)
-    step = torch.zeros_like(span)
-    todo = (span > 0).nonzero().squeeze(1)  # a constant group is `low` alone: step 0
-    for k in range(LEVELS - 1, 0, -1):  # each pass looks only at the groups no finer grid held
-        trial = span[todo] / k
-        t = offsets[todo] / trial[:, None]
-        fits = ((t - t.round()).abs() <= GRID_TOLERANCE).all(-1)
-        step[todo[fits]] = trial[fits]
-        todo = todo[~fits]
-        if not todo.numel():
-            break
-    if todo.numel():
+    # the finest grid first; a constant group is `low` alone: step 0
+    step = grid_steps(offsets, offsets.amax(-1), range(LEVELS - 1, 0, -1), GRID_TOLERANCE)
+    if step is None:
         return None
     q = (offsets / torch.where(step > 0, step, 1.0)[:, None]).round().to(torch.int32)
     return q.reshape(N, K), step.reshape(N, -1), low.reshape(N, -1)

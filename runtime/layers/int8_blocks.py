@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from runtime.layers.grid_search import grid_steps
+
 BLOCK = 32
 # Magnitudes the largest value of a block can have in units of its scale: Q8_0's 127, Q5_0's 16, then the rest
 # (a block whose largest value came out smaller), tried in this order.
@@ -36,18 +38,8 @@ def int8_block_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] |
 def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     N, K = weight.shape
     w = weight.float().reshape(-1, BLOCK)  # one block a row
-    top = w.abs().amax(-1)
-    scale = torch.zeros_like(top)
-    todo = (top > 0).nonzero().squeeze(1)  # an all-zero block: scale 0, values 0
-    for m in CANDIDATES:  # each pass looks only at the blocks no earlier candidate held
-        trial = top[todo] / m
-        units = w[todo] / trial[:, None]
-        fits = ((units - units.round()).abs() <= TOLERANCE).all(-1)
-        scale[todo[fits]] = trial[fits]
-        todo = todo[~fits]
-        if not todo.numel():
-            break
-    if todo.numel() or not torch.equal(scale.half().float(), scale):  # a GGUF's scales are float16 values
+    scale = grid_steps(w, w.abs().amax(-1), CANDIDATES, TOLERANCE)  # an all-zero block: scale 0, values 0
+    if scale is None or not torch.equal(scale.half().float(), scale):  # a GGUF's scales are float16 values
         return None
     q = (w / torch.where(scale > 0, scale, 1.0)[:, None]).round().clamp_(-127, 127).to(torch.int8)
     return q.reshape(N, K), scale.reshape(N, K // BLOCK)
