@@ -450,3 +450,16 @@ def test_gelu_and_mul_is_torchs_two_operations(K, rows):
     assert (out.float() - expected.float()).abs().max() < 1e-5
     odd = torch.randn(3, 2 * 20)  # a width the vector code does not divide: the plain loop, float32
     torch.testing.assert_close(K.gelu_and_mul(odd), F.gelu(odd[:, :20], approximate="tanh") * odd[:, 20:])
+
+
+def test_decode_attention_with_a_scaling_bfloat16_cannot_hold(K):
+    """A scaling that is no power of two makes q * scaling inexact in bfloat16: the float32 products serve (the
+    bfloat16 dot products only take a query bfloat16 holds exactly)."""
+    torch.manual_seed(5)
+    S, H, Hkv, D, n = 128, 4, 1, 256, 100
+    k_buf, v_buf, q = (torch.randn(S, Hkv, D).bfloat16(), torch.randn(S, Hkv, D).bfloat16(),
+                       torch.randn(1, H, D).bfloat16())
+    indices = torch.arange(1, n + 1, dtype=torch.int32)
+    out = K.decode_attention(q, k_buf, v_buf, indices, torch.tensor([0, n], dtype=torch.int32), 0.1, 0.0)
+    expected = _reference_attention(q, k_buf, v_buf, indices, [n], 0.1)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=2e-3)
