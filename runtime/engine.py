@@ -264,6 +264,6 @@ def model_label(model: str) -> str:
 def _load_cpu_kernels(progress: bool) -> None:
     """Build (first start on a machine) or load the fused CPU kernels now, not inside the first request."""
     if progress:
-        announce("fused CPU kernels: loading (built once per machine and CPU, ~30 s the first time)")
+        announce("fused CPU kernels: loading (built once per machine and CPU, ~35 s the first time)")
     if kernels.load() is None and progress:
         announce(f"fused CPU kernels unavailable, the torch path serves: {kernels.failure()}")

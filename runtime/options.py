@@ -25,9 +25,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
                    help="weight format: auto (default: int8-head on CPUs with bfloat16 units, int8 on AVX2 "
                         "without them, else none), none (the --dtype), int8 (weight-only, per-channel scales: projections "
-                        "and LM head) or int8-head (the --dtype, but for decode's few rows the LM head in int8, "
-                        "activations quantised per call, and every projection through an int4 copy where its weight "
-                        "is exactly 4-bit, else an int8 one)")
+                        "and LM head) or int8-head (the --dtype for activations, norms and the KV cache; the LM head "
+                        "and every projection through low-bit copies of the GGUF's own blocks: int4 where exactly "
+                        "4-bit, int8 per block where Q8_0/Q5_0, else per-channel int8; for every row count where "
+                        "the CPU has AVX512-VNNI, for decode's few rows elsewhere)")
     g.add_argument("--compile-decode", action="store_true",
                    help="torch.compile each layer's math around its attention call (compiles on first use)")
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)

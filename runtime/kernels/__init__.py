@@ -20,8 +20,8 @@ so they differ from it by the order of float32 sums (and by attention in float32
 multiplies in bfloat16 from three requests on).
 
 The extension is built once per source and CPU (`-march=native`: a cache shared by machines with different
-CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about a minute with
-torch's headers, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
+CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about 35 s with
+torch's headers on 2 cores, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
 `SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
 """
 
@@ -83,7 +83,7 @@ def load() -> object | None:
             from torch.utils.cpp_extension import load as load_extension
 
             if not (build_dir / f"{build_dir.name}.so").exists():
-                log.info("building the fused CPU kernels (once per machine, ~30 s) in %s", build_dir)
+                log.info("building the fused CPU kernels (once per machine, ~35 s) in %s", build_dir)
             _module = load_extension(
                 name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
                 extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
