@@ -18,7 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
-  pybind11::class_<Projection>(m, "Projection", "a weight in a low-bit decode kernel's packed layout")
+  // module_local: two builds of these kernels in one process (a benchmark holding an older one) must not clash over
+  // the type's name.
+  pybind11::class_<Projection>(m, "Projection", pybind11::module_local(), "a weight in a low-bit decode kernel's packed layout")
       .def_static("int8", &Projection::int8,
                   "int8 (N, K) and float32 scales (N,) or (N, K/32): W = q * scale per row or per block of 32")
       .def_static("int4", &Projection::int4, "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q")
