@@ -1,4 +1,4 @@
-"""Fused CPU kernels for a bfloat16 model's decode, compiled on this machine at first use.
+"""Fused CPU kernels for a bfloat16 model on the CPU (decode and prefill), compiled on this machine at first use.
 
 At batch 1 a Gemma 3 270M decode step spent more time in small operations than in its weights: an RMSNorm
 was six torch operations (about 36 us where its arithmetic takes 2), the q/k norm and rotation ten, and the
@@ -7,9 +7,11 @@ The sources, one job each:
 
 - `norms.cpp`: RMSNorm (with the residual add that follows it) and the per-head q/k norm with the rotary
   embedding, one pass each;
-- `attention.cpp`: decode attention reading the KV pool in place, and the KV write before it;
-- `quant.cpp`: low-bit projections at decode sizes (1 to 8 rows) on AVX512-VNNI, int8 per-channel and
-  exactly-4-bit weights (`Projection`), reading the weights at the memory's pace;
+- `attention.cpp`, `extend_attention.cpp` (`attention_chunk.h` between them): decode and prefill attention
+  reading the KV pool in place, and the KV write before it;
+- `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
+- `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per
+  block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles;
 - `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
   (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
 - `module.cpp`: the Python bindings.

@@ -1,0 +1,218 @@
+// What decode and extend attention share (attention.cpp, extend_attention.cpp): one query row's G heads over a list
+// of keys read in place from the KV pool, and the argument checks. Each chunk keeps its own maximum, sum and
+// weighted values (float32). Where the CPU has AVX-512 and the heads fit (D a multiple of 16, 1, 2, 4 or 8 query
+// heads per kv head: every Gemma 3), a chunk is explicit vector code: the scores of all query heads of a kv head
+// from one pass over each key (bfloat16 dot products where the CPU has AVX512-BF16 and the query is exact in
+// bfloat16), the exponentials sixteen at a time, the values added into float32 sums held in registers; else
+// plain loops.
+
+#pragma once
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+#include "vecmath.h"
+
+namespace swa {
+namespace attention {
+
+struct Chunk {  // one (request, kv head, chunk of its keys)
+  const int32_t* slots;
+  int64_t len, kh;
+};
+
+struct Shape {
+  int64_t H, Hkv, G, D, S;
+  float scaling, softcap;
+};
+
+inline void check_slot(int64_t slot, int64_t S) {
+  TORCH_CHECK(slot >= 0 && slot < S, "key slot ", slot, " outside the pool of ", S);
+}
+
+// qf (G, D) the chunk's query heads in float32 (scaled unless soft-capping); p scratch of G * len. Writes the
+// chunk's max (G,), sum of exponentials (G,) and weighted values (G, D).
+template <typename KV>
+void chunk_plain(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
+                 float* l, float* acc) {
+  const int64_t G = s.G, D = s.D, len = c.len;
+  std::vector<float> row(D);
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t slot = c.slots[j];
+    check_slot(slot, s.S);
+    const KV* kr = kb + (slot * s.Hkv + c.kh) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = load(kr, d);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * row[d];
+      p[g * len + j] = s.softcap > 0.f ? std::tanh(dot * s.scaling / s.softcap) * s.softcap : dot;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* pg = p + g * len;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, pg[j]);
+    float sum = 0.f;
+    for (int64_t j = 0; j < len; ++j) {
+      pg[j] = std::exp(pg[j] - top);
+      sum += pg[j];
+    }
+    mx[g] = top;
+    l[g] = sum;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vr = vb + (c.slots[j] * s.Hkv + c.kh) * D;
+    for (int64_t d = 0; d < D; ++d) row[d] = load(vr, d);
+    for (int64_t g = 0; g < G; ++g) {
+      const float w = p[g * len + j];
+      float* ag = acc + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ag[d] += w * row[d];
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+
+template <typename KV, int G>
+void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
+                  float* l, float* acc) {
+  const int64_t D = s.D, len = c.len;
+#if defined(__AVX512BF16__)
+  // bfloat16 keys and a query that bfloat16 holds exactly (a bfloat16 model's, scaled by a power of two, as
+  // Gemma's 1/16): `vdpbf16ps` takes 32 values a step, each product exact in float32, against 16 for the
+  // converting loads and FMAs below.
+  alignas(64) bf16 qh[8 * 256];
+  bool exact = std::is_same<KV, bf16>::value && G * D <= 8 * 256 && D % 32 == 0;
+  for (int64_t i = 0; exact && i < G * D; ++i) {
+    store(qh, i, qf[i]);
+    exact = load(qh, i) == qf[i];
+  }
+#else
+  constexpr bool exact = false;
+#endif
+  for (int64_t j = 0; j < len; ++j) {
+    const int64_t slot = c.slots[j];
+    check_slot(slot, s.S);
+    const KV* kr = kb + (slot * s.Hkv + c.kh) * D;
+    __m512 dot[G];
+    for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
+    if (exact) {
+#if defined(__AVX512BF16__)
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + d);
+        for (int g = 0; g < G; ++g)
+          dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)_mm512_load_si512(qh + g * D + d), k);
+      }
+#endif
+    } else {
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 k = load16(kr + d);
+        for (int g = 0; g < G; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, dot[g]);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float score = _mm512_reduce_add_ps(dot[g]);
+      p[g * len + j] = s.softcap > 0.f ? std::tanh(score * s.scaling / s.softcap) * s.softcap : score;
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    float* pg = p + g * len;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < len; ++j) top = std::max(top, pg[j]);
+    const __m512 t = _mm512_set1_ps(top);
+    __m512 total = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= len; j += 16) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(pg + j), t));
+      _mm512_storeu_ps(pg + j, e);
+      total = _mm512_add_ps(total, e);
+    }
+    if (j < len) {
+      const __mmask16 tail = static_cast<__mmask16>((1u << (len - j)) - 1);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, pg + j), t));
+      _mm512_mask_storeu_ps(pg + j, tail, e);
+      total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+    }
+    mx[g] = top;
+    l[g] = _mm512_reduce_add_ps(total);
+  }
+  if (G <= 4 && D % 64 == 0) {  // 64 values of every head's sums in registers, one pass over the keys each
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 a[G][4];
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < len; ++j) {
+        const KV* vr = vb + (c.slots[j] * s.Hkv + c.kh) * D + d0;
+        const __m512 v0 = load16(vr), v1 = load16(vr + 16), v2 = load16(vr + 32), v3 = load16(vr + 48);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(p[g * len + j]);
+          a[g][0] = _mm512_fmadd_ps(w, v0, a[g][0]);
+          a[g][1] = _mm512_fmadd_ps(w, v1, a[g][1]);
+          a[g][2] = _mm512_fmadd_ps(w, v2, a[g][2]);
+          a[g][3] = _mm512_fmadd_ps(w, v3, a[g][3]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + g * D + d0 + 16 * i, a[g][i]);
+    }
+    return;
+  }
+  std::fill(acc, acc + G * D, 0.f);
+  for (int64_t j = 0; j < len; ++j) {
+    const KV* vr = vb + (c.slots[j] * s.Hkv + c.kh) * D;
+    __m512 w[G];
+    for (int g = 0; g < G; ++g) w[g] = _mm512_set1_ps(p[g * len + j]);
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 v = load16(vr + d);
+      for (int g = 0; g < G; ++g) {
+        float* a = acc + g * D + d;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(w[g], v, _mm512_loadu_ps(a)));
+      }
+    }
+  }
+}
+
+#endif
+
+// The chunk routine for this shape: vector code where it applies.
+template <typename KV>
+auto chunk_routine(const Shape& s) -> void (*)(const float*, const KV*, const KV*, const Chunk&, const Shape&, float*,
+                                               float*, float*, float*) {
+#if defined(__AVX512F__)
+  if (s.D % 16 == 0) {
+    switch (s.G) {
+      case 1: return chunk_avx512<KV, 1>;
+      case 2: return chunk_avx512<KV, 2>;
+      case 4: return chunk_avx512<KV, 4>;
+      case 8: return chunk_avx512<KV, 8>;
+      default: break;
+    }
+  }
+#endif
+  return chunk_plain<KV>;
+}
+
+inline void check_pools(const at::Tensor& q, const at::Tensor& k_buf, const at::Tensor& v_buf) {
+  check_float_or_bf16(q, "q");
+  check_float_or_bf16(k_buf, "k_buf");
+  check_float_or_bf16(v_buf, "v_buf");
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.sizes() == k_buf.sizes(),
+              "q must be (B, H, D), k_buf and v_buf (S, Hkv, D) alike");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "k_buf and v_buf must share a dtype");
+  TORCH_CHECK(q.scalar_type() == k_buf.scalar_type(), "q and the KV buffers must share a dtype");
+  TORCH_CHECK(k_buf.size(2) == q.size(2) && q.size(1) % k_buf.size(1) == 0, "head sizes disagree");
+}
+
+inline void check_int32(const at::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kInt && t.is_contiguous() && (n < 0 || t.numel() == n), what,
+              " must be contiguous int32", n >= 0 ? " of the right length" : "");
+}
+
+}  // namespace attention
+}  // namespace swa

@@ -1,0 +1,281 @@
+// The low-bit kernels over quant.cpp's layouts, on AVX512-VNNI: up to 8 rows streamed (`Projection::run`: each
+// thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
+// core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
+// GB/s; four streams for one or two rows, two for three or four, one beyond, as the registers allow), more in tiles
+// (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64 multiply-adds, twice the rate of the
+// bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights stay in the core's caches while its
+// rows go by).
+
+#include "quant.h"
+
+#include <algorithm>
+
+#include "vecmath.h"
+
+namespace swa {
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+
+inline __m512i broadcast_quad(const int8_t* p) {
+  int32_t quad;
+  std::memcpy(&quad, p, 4);
+  return _mm512_set1_epi32(quad);
+}
+
+// Sixteen float16 scales at index i of a per-block scale array (its storage handed around as float*).
+inline __m512 load_halves(const float* scales, int64_t i) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(scales) + i)));
+}
+
+template <typename T>
+inline void store_group(T* y, int64_t first, __m512 v) {
+  alignas(64) float out[16];
+  _mm512_store_ps(out, v);
+  for (int r = 0; r < 16; ++r) store(y, first + r, out[r]);
+}
+
+template <Format F, typename T, int M, int S>
+void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
+               int64_t g1) {
+  const int64_t K = x.K, blocks = K / kBlock;
+  constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;  // 64-byte lines per 16 rows and block
+  const int64_t group_bytes = blocks * kLines * 64;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int8_t* xq = x.q.data();
+  const int64_t per = (g1 - g0 + S - 1) / S;
+  for (int64_t i = 0; i < per; ++i) {
+    int64_t gs[S];
+    int live = 0;
+    for (int st = 0; st < S; ++st) {
+      const int64_t g = g0 + st * per + i;
+      if (g < g1) gs[live++] = g;
+    }
+    __m512 acc[S][M];
+    for (int st = 0; st < live; ++st)
+      for (int m = 0; m < M; ++m) acc[st][m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i dot[S][M];
+      for (int st = 0; st < live; ++st)
+        for (int m = 0; m < M; ++m) dot[st][m] = _mm512_setzero_si512();
+      for (int64_t j = 0; j < kLines; ++j) {
+        for (int st = 0; st < live; ++st) {
+          const __m512i line = _mm512_loadu_si512(w + gs[st] * group_bytes + (b * kLines + j) * 64);
+          if constexpr (F != Format::kInt4) {
+            for (int m = 0; m < M; ++m)
+              dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], line, broadcast_quad(xq + m * K + b * kBlock + j * 4));
+          } else {
+            const __m512i lo = _mm512_and_si512(line, nibble);
+            const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), nibble);
+            for (int m = 0; m < M; ++m) {
+              const int8_t* xb = xq + m * K + b * kBlock + j * 8;
+              dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], lo, broadcast_quad(xb));
+              dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], hi, broadcast_quad(xb + 4));
+            }
+          }
+        }
+      }
+      if constexpr (F == Format::kInt8) {
+        for (int m = 0; m < M; ++m) {
+          const __m512i corr = _mm512_set1_epi32(128 * x.qsum[m * blocks + b]);
+          const __m512 sx = _mm512_set1_ps(x.scale[m * blocks + b]);
+          for (int st = 0; st < live; ++st)
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+        }
+      } else if constexpr (F == Format::kInt8Block) {
+        for (int st = 0; st < live; ++st) {
+          const __m512 ws = load_halves(scales, (gs[st] * blocks + b) * 16);
+          for (int m = 0; m < M; ++m) {
+            const __m512i corr = _mm512_set1_epi32(128 * x.qsum[m * blocks + b]);
+            const __m512 sx = _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[m * blocks + b]));
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+          }
+        }
+      } else {
+        for (int st = 0; st < live; ++st) {
+          const float* s = scales + (gs[st] * blocks + b) * 32;
+          const __m512 step = _mm512_loadu_ps(s), low = _mm512_loadu_ps(s + 16);
+          for (int m = 0; m < M; ++m) {
+            const __m512 sx = _mm512_mul_ps(step, _mm512_set1_ps(x.scale[m * blocks + b]));
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
+            acc[st][m] = _mm512_fmadd_ps(low, _mm512_set1_ps(x.sum[m * blocks + b]), acc[st][m]);
+          }
+        }
+      }
+    }
+    for (int st = 0; st < live; ++st) {
+      for (int m = 0; m < M; ++m) {
+        __m512 out = acc[st][m];
+        if constexpr (F == Format::kInt8) out = _mm512_mul_ps(out, _mm512_loadu_ps(scales + gs[st] * 16));
+        store_group(y + m * N, gs[st] * 16, out);
+      }
+    }
+  }
+}
+
+// The row count as a template argument, with the streams the registers allow for it.
+template <Format F, typename T>
+void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
+                   int64_t g0, int64_t g1) {
+  switch (M) {
+    case 1: vnni_rows<F, T, 1, 4>(w, sc, x, y, N, g0, g1); break;
+    case 2: vnni_rows<F, T, 2, 4>(w, sc, x, y, N, g0, g1); break;
+    case 3: vnni_rows<F, T, 3, 2>(w, sc, x, y, N, g0, g1); break;
+    case 4: vnni_rows<F, T, 4, 2>(w, sc, x, y, N, g0, g1); break;
+    case 5: vnni_rows<F, T, 5, 1>(w, sc, x, y, N, g0, g1); break;
+    case 6: vnni_rows<F, T, 6, 1>(w, sc, x, y, N, g0, g1); break;
+    case 7: vnni_rows<F, T, 7, 1>(w, sc, x, y, N, g0, g1); break;
+    default: vnni_rows<F, T, 8, 1>(w, sc, x, y, N, g0, g1); break;
+  }
+}
+
+// A tile of MR rows by NR groups of 16 columns, whole K: per block of 32 values the integer sums of each (row, column),
+// then scaled into float32 sums; the weights of the NR groups are read once for the MR rows.
+template <Format F, typename T, int MR, int NR>
+void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g0, T* y, int64_t N) {
+  const int64_t K = x.K, blocks = K / kBlock;
+  constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;
+  const int64_t group_bytes = blocks * kLines * 64;
+  const __m512i nibble = _mm512_set1_epi8(0x0f);
+  const int8_t* xq = x.q.data() + m0 * K;
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i dot[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kLines; ++j) {
+      __m512i lines[NR];
+      for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(w + (g0 + n) * group_bytes + (b * kLines + j) * 64);
+      if constexpr (F != Format::kInt4) {
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xb = broadcast_quad(xq + m * K + b * kBlock + j * 4);
+          for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lines[n], xb);
+        }
+      } else {
+        __m512i lo[NR], hi[NR];
+        for (int n = 0; n < NR; ++n) {
+          lo[n] = _mm512_and_si512(lines[n], nibble);
+          hi[n] = _mm512_and_si512(_mm512_srli_epi16(lines[n], 4), nibble);
+        }
+        for (int m = 0; m < MR; ++m) {
+          const __m512i xl = broadcast_quad(xq + m * K + b * kBlock + j * 8);
+          const __m512i xh = broadcast_quad(xq + m * K + b * kBlock + j * 8 + 4);
+          for (int n = 0; n < NR; ++n) {
+            dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lo[n], xl);
+            dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], hi[n], xh);
+          }
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t xi = (m0 + m) * blocks + b;
+      if constexpr (F == Format::kInt8) {
+        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
+        for (int n = 0; n < NR; ++n)
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), sx, acc[m][n]);
+      } else if constexpr (F == Format::kInt8Block) {
+        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
+        for (int n = 0; n < NR; ++n) {
+          const __m512 ws = _mm512_mul_ps(load_halves(scales, ((g0 + n) * blocks + b) * 16), sx);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), ws, acc[m][n]);
+        }
+      } else {
+        const __m512 sx = _mm512_set1_ps(x.scale[xi]), total = _mm512_set1_ps(x.sum[xi]);
+        for (int n = 0; n < NR; ++n) {
+          const float* s = scales + ((g0 + n) * blocks + b) * 32;
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), _mm512_mul_ps(_mm512_loadu_ps(s), sx), acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_loadu_ps(s + 16), total, acc[m][n]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) {
+    for (int n = 0; n < NR; ++n) {
+      __m512 out = acc[m][n];
+      if constexpr (F == Format::kInt8) out = _mm512_mul_ps(out, _mm512_loadu_ps(scales + (g0 + n) * 16));
+      store_group(y + (m0 + m) * N, (g0 + n) * 16, out);
+    }
+  }
+}
+
+// Rows m0..m1 against groups g0..g1, in tiles of 4 rows by 3 groups (fewer at the edges).
+template <Format F, typename T>
+void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
+           T* y, int64_t N) {
+  for (int64_t g = g0; g < g1; g += 3) {
+    const int64_t ng = std::min<int64_t>(3, g1 - g);
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) {
+      if (ng == 3) tile<F, T, 4, 3>(w, sc, x, m, g, y, N);
+      else if (ng == 2) tile<F, T, 4, 2>(w, sc, x, m, g, y, N);
+      else tile<F, T, 4, 1>(w, sc, x, m, g, y, N);
+    }
+    for (; m < m1; ++m) {
+      if (ng == 3) tile<F, T, 1, 3>(w, sc, x, m, g, y, N);
+      else if (ng == 2) tile<F, T, 1, 2>(w, sc, x, m, g, y, N);
+      else tile<F, T, 1, 1>(w, sc, x, m, g, y, N);
+    }
+  }
+}
+
+template <typename T>
+void Projection::run_tiled(const QuantizedRows& x, T* y) const {
+  TORCH_CHECK(x.K == K_ && x.M >= 1, "activations must be (M, ", K_, ")");
+  const uint8_t* w = packed_.data_ptr<uint8_t>();
+  const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block (`load_halves`)
+  // Blocks of 32 rows, each against every column, the groups in chunks whose weights stay in the core's cache
+  // while the block's rows go by.
+  constexpr int64_t kRowBlock = 32, kGroupChunk = 12;
+  const int64_t groups = N_ / 16, row_blocks = (x.M + kRowBlock - 1) / kRowBlock;
+  const int64_t chunks = (groups + kGroupChunk - 1) / kGroupChunk;
+  at::parallel_for(0, row_blocks * chunks, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t rb = i / chunks, c = i % chunks;
+      const int64_t m0 = rb * kRowBlock, m1 = std::min(x.M, m0 + kRowBlock);
+      const int64_t g0 = c * kGroupChunk, g1 = std::min(groups, g0 + kGroupChunk);
+      switch (format_) {
+        case Format::kInt8: tiles<Format::kInt8>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+      }
+    }
+  });
+}
+
+template <typename T>
+void Projection::run(const QuantizedRows& x, T* y) const {
+  TORCH_CHECK(x.K == K_ && x.M >= 1 && x.M <= kMaxRows, "activations must be (M, ", K_, ") with M in 1..8");
+  const uint8_t* w = packed_.data_ptr<uint8_t>();
+  const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block (`load_halves`)
+  at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
+    switch (format_) {
+      case Format::kInt8: vnni_dispatch<Format::kInt8>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt8Block: vnni_dispatch<Format::kInt8Block>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt4: vnni_dispatch<Format::kInt4>(x.M, w, sc, x, y, N_, g0, g1); break;
+    }
+  });
+}
+
+#else
+
+template <typename T>
+void Projection::run(const QuantizedRows&, T*) const {
+  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+}
+
+template <typename T>
+void Projection::run_tiled(const QuantizedRows&, T*) const {
+  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+}
+
+#endif
+
+template void Projection::run<float>(const QuantizedRows&, float*) const;
+template void Projection::run<bf16>(const QuantizedRows&, bf16*) const;
+template void Projection::run_tiled<float>(const QuantizedRows&, float*) const;
+template void Projection::run_tiled<bf16>(const QuantizedRows&, bf16*) const;
+
+}  // namespace swa
