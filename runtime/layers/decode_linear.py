@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from runtime import kernels
-from runtime.layers.int4 import EVERY_ROW, Int4Weight, int4_grid
+from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import Linear, linear
 
@@ -68,8 +68,9 @@ class Int8DecodeWeight:
         self.projection = None
         module = kernels.load()
         if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
-            # every row count: up to 8 streamed, prefill's in tiles (1.5x prepacked bfloat16 at 600 rows)
-            self.projection, self.max_rows = module.Projection.int8(q, scales.float().contiguous()), EVERY_ROW
+            # every row count (up to 8 streamed, prefill's in tiles: 1.5x prepacked bfloat16 at 600 rows), but with
+            # AMX decode's only (`runtime/layers/int4.py` OUR_MAX_ROWS)
+            self.projection, self.max_rows = module.Projection.int8(q, scales.float().contiguous()), OUR_MAX_ROWS
         else:
             self.q, self.scales = q, scales.to(dtype)
 

@@ -30,11 +30,17 @@ import torch
 
 from runtime import kernels
 from runtime.layers.grid_search import grid_steps
+from runtime.layers.linear import CPU_HAS_AMX
 
 GROUP = 32  # weights per (scale, offset): Q4_K's sub-block
 LEVELS = 16
 INT4_MAX_ROWS = 8  # rows up to which torch's int4 kernel is faster than prepacked bfloat16 (module docstring)
-EVERY_ROW = 1 << 62  # the `max_rows` of a copy on our kernels: they take any row count, prefill's too
+EVERY_ROW = 1 << 62  # a `max_rows` that takes any row count, prefill's too
+# Rows our kernels' copies take (`OUR_MAX_ROWS`): every row count, prefill's in tiles of `vpdpbusd` (1.5x oneDNN's
+# prepacked bfloat16 on AVX512-BF16); but where the CPU has AMX, whose bfloat16 tiles oneDNN runs at several times
+# AVX-512's rate, prefill keeps the prepacked bfloat16 weight and the copies serve decode's few rows (the streaming
+# kernel's 8). Not measured against each other on an AMX machine yet.
+OUR_MAX_ROWS = 8 if CPU_HAS_AMX else EVERY_ROW
 GRID_TOLERANCE = 1e-3  # of a grid step: float32 rounding in `s * q - m`, far below a step
 KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")
@@ -80,7 +86,7 @@ class Int4Weight:
         module = kernels.load()
         if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % GROUP == 0:
             self.projection = module.Projection.int4(q, step.float().contiguous(), low.float().contiguous())
-            self.max_rows = EVERY_ROW
+            self.max_rows = OUR_MAX_ROWS
             return
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8)  # (N, K/2) uint8
         # the kernel's (K/32, N, 2): scale and zero, with weight = (q - 8) * scale + zero

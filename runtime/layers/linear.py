@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 UPCAST_MIN_ROWS = 32
-CPU_HAS_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+CPU_HAS_AMX = torch.cpu._is_amx_tile_supported()
+CPU_HAS_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or CPU_HAS_AMX
 
 
 # oneDNN's prepacked linear, as torch's own CPU compiler uses it; absent from builds without oneDNN.

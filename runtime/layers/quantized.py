@@ -47,7 +47,7 @@ from torch import nn
 
 from runtime.layers.decode_linear import INT8_MAX, Int8DecodeWeight, force_decode_copies, quantize_per_channel
 from runtime import kernels
-from runtime.layers.int4 import EVERY_ROW
+from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
 
@@ -177,9 +177,9 @@ class DynamicInt8Weight:
         q, scales = blocks if blocks is not None else quantize_per_channel(weight)
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
         self.vnni_weight = copy if copy.projection is not None else None
-        self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours takes every row count (1.5x bfloat16 at 600 rows)
+        self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS)
         if self.vnni_weight is not None:
-            self.max_rows = EVERY_ROW
+            self.max_rows = OUR_MAX_ROWS
             return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
         with warnings.catch_warnings():  # the quantized tensor API warns that it is deprecated

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from runtime.layers import int4
 from runtime import kernels
 from runtime.layers.decode_linear import INT8_MAX_ROWS, DecodeLinear, Int8DecodeWeight
-from runtime.layers.int4 import EVERY_ROW, GROUP, INT4_MAX_ROWS, Int4Weight, int4_grid
+from runtime.layers import decode_linear
+from runtime.layers.int4 import EVERY_ROW, GROUP, INT4_MAX_ROWS, OUR_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import PackedWeight
 from runtime.layers.quantized import kernel_path_only
@@ -95,10 +96,11 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
     assert isinstance(layer.decode, Int4Weight if kind == "int4" else Int8DecodeWeight) and kind in repr(layer)
-    ours = layer.decode.projection is not None  # our kernels (AVX512-VNNI): every row count, prefill's too
+    ours = layer.decode.projection is not None  # our kernels (AVX512-VNNI): every row count but with AMX
     assert ours == (kernels.load() is not None and kernels.load().has_vnni())
-    assert layer.decode.max_rows == (EVERY_ROW if ours else INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
-    assert (layer.packed is None) == (ours or not PackedWeight.wanted(layer.weight))  # no pack beside our copy
+    assert layer.decode.max_rows == (OUR_MAX_ROWS if ours else INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
+    every = layer.decode.max_rows >= EVERY_ROW
+    assert (layer.packed is None) == (every or not PackedWeight.wanted(layer.weight))  # no pack beside such a copy
     assert list(layer.state_dict()) == ["weight"]  # derived, never saved
     for rows in (1, 8, 600):
         x = torch.randn(rows, 128).bfloat16()
@@ -116,6 +118,23 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
     x = torch.randn(9, 128).bfloat16()
     with torch.no_grad(), kernel_path_only():
         assert torch.equal(layer(x), layer.decode.matmul(x))  # the quality benchmark's decode path
+
+
+def test_with_amx_our_copies_serve_decode_only_and_the_weight_keeps_its_pack(monkeypatch):
+    """Where the CPU has AMX (oneDNN's bfloat16 tiles), prefill keeps the prepacked weight: simulated here by the
+    row limit that detection sets there."""
+    if not kernels.has_vnni():
+        pytest.skip("our kernels need AVX512-VNNI")
+    monkeypatch.setattr(decode_linear, "OUR_MAX_ROWS", 8)
+    w = torch.randn(96, 128) * 0.05
+    layer = DecodeLinear(128, 96).to(torch.bfloat16)
+    layer.load_state_dict({"weight": w})
+    assert layer.decode.projection is not None and layer.decode.max_rows == 8 and "up to 8 rows" in repr(layer)
+    assert (layer.packed is not None) == PackedWeight.wanted(layer.weight)
+    x = torch.randn(9, 128).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), F.linear(x, layer.weight))  # prefill's rows: the bfloat16 weight
+        assert torch.equal(layer(x[:8]), layer.decode.matmul(x[:8]))  # decode's: the copy
 
 
 @needs_kernel
