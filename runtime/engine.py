@@ -20,7 +20,7 @@ from runtime.core import Req, SamplingParams, TokenLogprob
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
-from runtime.layers.sampler import check_finite, sample, token_logprobs, token_probabilities
+from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
 from runtime.models.loader import load_model
@@ -201,7 +201,7 @@ class Engine:
             try:
                 if r.params.temperature == 0.0:
                     check_finite(rows)
-                    tokens = accept_greedy(list(draft), rows.argmax(-1).tolist())
+                    tokens = accept_greedy(list(draft), row_max(rows)[1].tolist())
                 else:
                     tokens = accept_sampling(list(draft), token_probabilities(rows, r.params), self._generator_of(r))
             except Exception as exc:  # noqa: BLE001 - fail this request alone, as `_sample` does

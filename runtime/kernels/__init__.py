@@ -10,6 +10,7 @@ The sources, one job each:
 - `attention.cpp`, `extend_attention.cpp` (`attention_chunk.h` between them): decode and prefill attention
   reading the KV pool in place, and the KV write before it;
 - `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
+- `argmax.cpp`: greedy sampling's maximum and first index per row of logits, sixteen lanes and two threads;
 - `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per
   block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles;
 - `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
@@ -94,6 +95,12 @@ def load() -> object | None:
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             log.warning("fused CPU kernels unavailable, the torch path serves: %s", _failure)
         return _module
+
+
+def loaded() -> object | None:
+    """The kernels if something has already built or loaded them, else None (never builds: for exact operations
+    such as the greedy argmax, which a float32 model need not wait ~35 s for)."""
+    return _module
 
 
 def failure() -> str | None:

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "activation.h"
+#include "argmax.h"
 #include "attention.h"
 #include "decode_layer.h"
 #include "norms.h"
@@ -15,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_and_mul", &swa::gelu_and_mul, "GELU (tanh) of the gate half times the up half of (T, 2I) rows");
   m.def("decode_attention", &swa::decode_attention, "one query per request over keys read in place");
   m.def("extend_attention", &swa::extend_attention, "the new tokens of an extend over the keys each one sees");
+  m.def("row_argmax", &swa::row_argmax, "each row's largest value and the first index of it (NaN if any)");
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;

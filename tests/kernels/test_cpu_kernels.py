@@ -205,6 +205,41 @@ def test_bad_input_is_refused_with_a_message(K):
         K.rms_norm(torch.zeros(2, 8).bfloat16(), torch.ones(4), 1e-6, None)
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 16, 17, 1000, 16384 * 2 + 5, 262144])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_row_argmax_is_torchs_max_with_the_first_index(K, vocab, rows):
+    """Values and first indices as torch's `max(-1)`: ties at the start and the end of a row and across the
+    threads' chunks, in the vector body and in the scalar tail."""
+    g = torch.Generator().manual_seed(vocab * 10 + rows)
+    x = torch.randn(rows, vocab, generator=g)
+    if vocab > 2:
+        top = x.max() + 1
+        x[0, vocab // 2] = x[0, vocab - 1] = top  # the first of two wins, though the later one is in another chunk
+        x[-1, 0] = x[-1, vocab - 1] = top
+    values, index = K.row_argmax(x)
+    expected = x.max(-1)
+    assert torch.equal(values, expected.values) and torch.equal(index, expected.indices)
+
+
+def test_row_argmax_of_non_finite_rows(K):
+    x = torch.randn(4, 40000)
+    x[0] = float("-inf")  # all -inf: the first index, as torch
+    x[1, 30000] = float("inf")
+    x[2, 39999] = float("nan")  # NaN in the last chunk's tail: the row's value is NaN
+    x[3, 3] = float("nan")
+    values, index = K.row_argmax(x)
+    assert values[0] == float("-inf") and index[0] == 0
+    assert values[1] == float("inf") and index[1] == 30000
+    assert values[2:].isnan().all()
+    assert torch.equal(index[:2], x[:2].max(-1).indices)
+    empty = K.row_argmax(torch.zeros(0, 10))  # a batch that samples no row
+    assert empty[0].shape == empty[1].shape == (0,)
+    with pytest.raises(RuntimeError, match="float32"):
+        K.row_argmax(x.bfloat16())
+    with pytest.raises(RuntimeError, match="contiguous"):
+        K.row_argmax(x.t())
+
+
 def _load_in_subprocess(**env: str) -> list[str]:
     code = ("from runtime import kernels; import torch; "
             "print(kernels.load() is None, kernels.for_tensor(torch.zeros(1).bfloat16()) is None); "
