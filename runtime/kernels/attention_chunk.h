@@ -79,6 +79,25 @@ void chunk_plain(const float* qf, const KV* kb, const KV* vb, const Chunk& c, co
 
 #if defined(__AVX512F__)
 
+// The sums of sixteen vectors, lane i holding v[i]'s: pairs interleaved and added, then pairs of pairs, then the four
+// 128-bit quarters folded (45 instructions, where sixteen reductions take about 140).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a = _mm512_castps_pd(t[2 * m]), b = _mm512_castps_pd(t[2 * m + 1]);
+    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // u[m]'s quarter L holds quarter L's sums of v[4m..4m+3]; fold the quarters so that quarter m holds their totals.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 template <typename KV, int G>
 void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
                   float* l, float* acc) {
@@ -96,29 +115,45 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
 #else
   constexpr bool exact = false;
 #endif
-  for (int64_t j = 0; j < len; ++j) {
-    const int64_t slot = c.slots[j];
-    check_slot(slot, s.S);
-    const KV* kr = kb + (slot * s.Hkv + c.kh) * D;
-    __m512 dot[G];
-    for (int g = 0; g < G; ++g) dot[g] = _mm512_setzero_ps();
+  // Scores KJ keys at a time: the G x KJ = 16 dot products' vectors summed into one vector by `sum16` (about three
+  // instructions a score, against nine for a reduction each); the last group repeats its last key.
+  constexpr int KJ = 16 / G;
+  for (int64_t j0 = 0; j0 < len; j0 += KJ) {
+    const KV* kr[KJ];
+    for (int kk = 0; kk < KJ; ++kk) {
+      const int64_t slot = c.slots[std::min(j0 + kk, len - 1)];
+      check_slot(slot, s.S);
+      kr[kk] = kb + (slot * s.Hkv + c.kh) * D;
+    }
+    __m512 dot[16];
+    for (int i = 0; i < 16; ++i) dot[i] = _mm512_setzero_ps();
     if (exact) {
 #if defined(__AVX512BF16__)
       for (int64_t d = 0; d < D; d += 32) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kr + d);
-        for (int g = 0; g < G; ++g)
-          dot[g] = _mm512_dpbf16_ps(dot[g], (__m512bh)_mm512_load_si512(qh + g * D + d), k);
+        for (int kk = 0; kk < KJ; ++kk) {
+          const __m512bh k = (__m512bh)_mm512_loadu_si512(kr[kk] + d);
+          for (int g = 0; g < G; ++g)
+            dot[g * KJ + kk] = _mm512_dpbf16_ps(dot[g * KJ + kk], (__m512bh)_mm512_load_si512(qh + g * D + d), k);
+        }
       }
 #endif
     } else {
       for (int64_t d = 0; d < D; d += 16) {
-        const __m512 k = load16(kr + d);
-        for (int g = 0; g < G; ++g) dot[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, dot[g]);
+        for (int kk = 0; kk < KJ; ++kk) {
+          const __m512 k = load16(kr[kk] + d);
+          for (int g = 0; g < G; ++g)
+            dot[g * KJ + kk] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, dot[g * KJ + kk]);
+        }
       }
     }
+    alignas(64) float scores[16];
+    _mm512_store_ps(scores, sum16(dot));
+    const int64_t live = std::min<int64_t>(KJ, len - j0);
     for (int g = 0; g < G; ++g) {
-      const float score = _mm512_reduce_add_ps(dot[g]);
-      p[g * len + j] = s.softcap > 0.f ? std::tanh(score * s.scaling / s.softcap) * s.softcap : score;
+      for (int64_t kk = 0; kk < live; ++kk) {
+        const float score = scores[g * KJ + kk];
+        p[g * len + j0 + kk] = s.softcap > 0.f ? std::tanh(score * s.scaling / s.softcap) * s.softcap : score;
+      }
     }
   }
   for (int g = 0; g < G; ++g) {
