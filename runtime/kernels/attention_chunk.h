@@ -79,24 +79,56 @@ void chunk_plain(const float* qf, const KV* kb, const KV* vb, const Chunk& c, co
 
 #if defined(__AVX512F__)
 
-// The sums of sixteen vectors, lane i holding v[i]'s: pairs interleaved and added, then pairs of pairs, then the four
-// 128-bit quarters folded (45 instructions, where sixteen reductions take about 140).
-inline __m512 sum16(const __m512* v) {
-  __m512 t[8], u[4];
-  for (int k = 0; k < 8; ++k)
-    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
-  for (int m = 0; m < 4; ++m) {
-    const __m512d a = _mm512_castps_pd(t[2 * m]), b = _mm512_castps_pd(t[2 * m + 1]);
-    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+#if defined(__AVX512BF16__)
+// The weighted values of a chunk in `vdpbf16ps`: two keys a step, the weights rounded to bfloat16 (as flash
+// attention multiplies its probabilities), the sums float32; half the instructions of float32 FMAs, which held
+// prefill's attention to their pace. Two value rows interleave value by value (within 128-bit quarters), so each
+// sum register holds a fixed permutation of 16 of the 64 values, undone when stored.
+template <int G>
+void values_bf16(const bf16* vb, const Chunk& c, const Shape& s, const float* p, float* acc) {
+  const int64_t D = s.D, len = c.len, pairs = (len + 1) / 2;
+  thread_local std::vector<uint32_t> weights;  // per head, (w_j, w_j+1) in bfloat16, the odd tail's partner 0
+  weights.resize(G * pairs);
+  for (int g = 0; g < G; ++g) {
+    bf16* w = reinterpret_cast<bf16*>(weights.data() + g * pairs);
+    for (int64_t j = 0; j < len; ++j) store(w, j, p[g * len + j]);
+    if (len % 2) w[len] = 0;
   }
-  // u[m]'s quarter L holds quarter L's sums of v[4m..4m+3]; fold the quarters so that quarter m holds their totals.
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int64_t d0 = 0; d0 < D; d0 += 64) {
+    __m512 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
+    for (int64_t h = 0; h < pairs; ++h) {
+      const int64_t j = 2 * h, j1 = std::min(j + 1, len - 1);  // an odd tail pairs its key with itself, weight 0
+      const bf16* r0 = vb + (c.slots[j] * s.Hkv + c.kh) * D + d0;
+      const bf16* r1 = vb + (c.slots[j1] * s.Hkv + c.kh) * D + d0;
+      __m512i x[4];
+      for (int half = 0; half < 2; ++half) {
+        const __m512i u = _mm512_loadu_si512(r0 + 32 * half), v = _mm512_loadu_si512(r1 + 32 * half);
+        x[2 * half] = _mm512_unpacklo_epi16(u, v);
+        x[2 * half + 1] = _mm512_unpackhi_epi16(u, v);
+      }
+      for (int g = 0; g < G; ++g) {
+        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weights[g * pairs + h]));
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpbf16_ps(a[g][i], (__m512bh)x[i], w);
+      }
+    }
+    // x[2 half] holds, in quarter q, values 32 half + 8 q + 0..3; x[2 half + 1] values 32 half + 8 q + 4..7.
+    for (int g = 0; g < G; ++g) {
+      alignas(64) float lo[16], hi[16];
+      for (int half = 0; half < 2; ++half) {
+        _mm512_store_ps(lo, a[g][2 * half]);
+        _mm512_store_ps(hi, a[g][2 * half + 1]);
+        float* out = acc + g * D + d0 + 32 * half;
+        for (int q = 0; q < 4; ++q) {
+          std::memcpy(out + 8 * q, lo + 4 * q, 16);
+          std::memcpy(out + 8 * q + 4, hi + 4 * q, 16);
+        }
+      }
+    }
+  }
 }
+#endif
 
 template <typename KV, int G>
 void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
@@ -177,6 +209,12 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
     mx[g] = top;
     l[g] = _mm512_reduce_add_ps(total);
   }
+#if defined(__AVX512BF16__)
+  if (std::is_same<KV, bf16>::value && G <= 4 && D % 64 == 0) {
+    values_bf16<G>(reinterpret_cast<const bf16*>(vb), c, s, p, acc);
+    return;
+  }
+#endif
   if (G <= 4 && D % 64 == 0) {  // 64 values of every head's sums in registers, one pass over the keys each
     for (int64_t d0 = 0; d0 < D; d0 += 64) {
       __m512 a[G][4];

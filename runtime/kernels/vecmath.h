@@ -57,6 +57,25 @@ inline __m512 tanh16(__m512 x) {
                                              _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN))));
 }
 
+// The sums of sixteen vectors, lane i holding v[i]'s: pairs interleaved and added, then pairs of pairs, then the four
+// 128-bit quarters folded (45 instructions, where sixteen reductions take about 140).
+inline __m512 sum16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int k = 0; k < 8; ++k)
+    t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+  for (int m = 0; m < 4; ++m) {
+    const __m512d a = _mm512_castps_pd(t[2 * m]), b = _mm512_castps_pd(t[2 * m + 1]);
+    u[m] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // u[m]'s quarter L holds quarter L's sums of v[4m..4m+3]; fold the quarters so that quarter m holds their totals.
+  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                   _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 }  // namespace swa
 
 #endif
