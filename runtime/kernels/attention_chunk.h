@@ -2,9 +2,10 @@
 // of keys read in place from the KV pool, and the argument checks. Each chunk keeps its own maximum, sum and
 // weighted values (float32). Where the CPU has AVX-512 and the heads fit (D a multiple of 16, 1, 2, 4 or 8 query
 // heads per kv head: every Gemma 3), a chunk is explicit vector code: the scores of all query heads of a kv head
-// from one pass over each key (bfloat16 dot products where the CPU has AVX512-BF16 and the query is exact in
-// bfloat16), the exponentials sixteen at a time, the values added into float32 sums held in registers; else
-// plain loops.
+// for 16/G keys at a time, summed into one vector (bfloat16 dot products where the CPU has AVX512-BF16 and the query
+// is exact in bfloat16), the exponentials sixteen at a time, the values added into float32 sums held in registers
+// (in bfloat16 dot products, two keys a step, where the CPU has them: attention_values.h), rows fetched ahead;
+// else plain loops.
 
 #pragma once
 
@@ -12,25 +13,12 @@
 #include <limits>
 #include <vector>
 
+#include "attention_values.h"
 #include "common.h"
 #include "vecmath.h"
 
 namespace swa {
 namespace attention {
-
-struct Chunk {  // one (request, kv head, chunk of its keys)
-  const int32_t* slots;
-  int64_t len, kh;
-};
-
-struct Shape {
-  int64_t H, Hkv, G, D, S;
-  float scaling, softcap;
-};
-
-inline void check_slot(int64_t slot, int64_t S) {
-  TORCH_CHECK(slot >= 0 && slot < S, "key slot ", slot, " outside the pool of ", S);
-}
 
 // qf (G, D) the chunk's query heads in float32 (scaled unless soft-capping); p scratch of G * len. Writes the
 // chunk's max (G,), sum of exponentials (G,) and weighted values (G, D).
@@ -79,57 +67,6 @@ void chunk_plain(const float* qf, const KV* kb, const KV* vb, const Chunk& c, co
 
 #if defined(__AVX512F__)
 
-#if defined(__AVX512BF16__)
-// The weighted values of a chunk in `vdpbf16ps`: two keys a step, the weights rounded to bfloat16 (as flash
-// attention multiplies its probabilities), the sums float32; half the instructions of float32 FMAs, which held
-// prefill's attention to their pace. Two value rows interleave value by value (within 128-bit quarters), so each
-// sum register holds a fixed permutation of 16 of the 64 values, undone when stored.
-template <int G>
-void values_bf16(const bf16* vb, const Chunk& c, const Shape& s, const float* p, float* acc) {
-  const int64_t D = s.D, len = c.len, pairs = (len + 1) / 2;
-  thread_local std::vector<uint32_t> weights;  // per head, (w_j, w_j+1) in bfloat16, the odd tail's partner 0
-  weights.resize(G * pairs);
-  for (int g = 0; g < G; ++g) {
-    bf16* w = reinterpret_cast<bf16*>(weights.data() + g * pairs);
-    for (int64_t j = 0; j < len; ++j) store(w, j, p[g * len + j]);
-    if (len % 2) w[len] = 0;
-  }
-  for (int64_t d0 = 0; d0 < D; d0 += 64) {
-    __m512 a[G][4];
-    for (int g = 0; g < G; ++g)
-      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_setzero_ps();
-    for (int64_t h = 0; h < pairs; ++h) {
-      const int64_t j = 2 * h, j1 = std::min(j + 1, len - 1);  // an odd tail pairs its key with itself, weight 0
-      const bf16* r0 = vb + (c.slots[j] * s.Hkv + c.kh) * D + d0;
-      const bf16* r1 = vb + (c.slots[j1] * s.Hkv + c.kh) * D + d0;
-      __m512i x[4];
-      for (int half = 0; half < 2; ++half) {
-        const __m512i u = _mm512_loadu_si512(r0 + 32 * half), v = _mm512_loadu_si512(r1 + 32 * half);
-        x[2 * half] = _mm512_unpacklo_epi16(u, v);
-        x[2 * half + 1] = _mm512_unpackhi_epi16(u, v);
-      }
-      for (int g = 0; g < G; ++g) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(weights[g * pairs + h]));
-        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_dpbf16_ps(a[g][i], (__m512bh)x[i], w);
-      }
-    }
-    // x[2 half] holds, in quarter q, values 32 half + 8 q + 0..3; x[2 half + 1] values 32 half + 8 q + 4..7.
-    for (int g = 0; g < G; ++g) {
-      alignas(64) float lo[16], hi[16];
-      for (int half = 0; half < 2; ++half) {
-        _mm512_store_ps(lo, a[g][2 * half]);
-        _mm512_store_ps(hi, a[g][2 * half + 1]);
-        float* out = acc + g * D + d0 + 32 * half;
-        for (int q = 0; q < 4; ++q) {
-          std::memcpy(out + 8 * q, lo + 4 * q, 16);
-          std::memcpy(out + 8 * q + 4, hi + 4 * q, 16);
-        }
-      }
-    }
-  }
-}
-#endif
-
 template <typename KV, int G>
 void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, const Shape& s, float* p, float* mx,
                   float* l, float* acc) {
@@ -157,6 +94,8 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
       check_slot(slot, s.S);
       kr[kk] = kb + (slot * s.Hkv + c.kh) * D;
     }
+    for (int64_t ja = j0 + kAhead; ja < std::min(j0 + kAhead + KJ, len); ++ja)
+      prefetch_bytes(kb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
     __m512 dot[16];
     for (int i = 0; i < 16; ++i) dot[i] = _mm512_setzero_ps();
     if (exact) {
