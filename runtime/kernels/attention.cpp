@@ -28,10 +28,7 @@ void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int3
       const int64_t per = (n + chunks - 1) / chunks;
       const int64_t j0 = std::min(n, ci * per), j1 = std::min(n, j0 + per);
       const float pre = s.softcap > 0.f ? 1.f : s.scaling;  // without soft-capping the scaling rides on q
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qr = q + (b * H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qr, d) * pre;
-      }
+      scaled_rows(q + (b * H + kh * G) * D, G * D, pre, qf.data());
       p.resize(G * std::max<int64_t>(j1 - j0, 1));
       routine(qf.data(), kb, vb, Chunk{idx + first + j0, j1 - j0, kh}, s, p.data(), m.data() + it * G,
               l.data() + it * G, acc.data() + it * G * D);

@@ -20,6 +20,17 @@
 namespace swa {
 namespace attention {
 
+// y[i] = x[i] * scale for n values (loaded and stored as their types: a query row into float32, float32 sums
+// into the output's dtype), sixteen at a time where the CPU has AVX-512.
+template <typename X, typename Y>
+inline void scaled_rows(const X* x, int64_t n, float scale, Y* y) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16) store16(y + i, _mm512_mul_ps(load16(x + i), _mm512_set1_ps(scale)));
+#endif
+  for (; i < n; ++i) store(y, i, load(x, i) * scale);
+}
+
 // qf (G, D) the chunk's query heads in float32 (scaled unless soft-capping); p scratch of G * len. Writes the
 // chunk's max (G,), sum of exponentials (G,) and weighted values (G, D).
 template <typename KV>
@@ -77,16 +88,20 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
   // converting loads and FMAs below.
   alignas(64) bf16 qh[8 * 256];
   bool exact = std::is_same<KV, bf16>::value && G * D <= 8 * 256 && D % 32 == 0;
-  for (int64_t i = 0; exact && i < G * D; ++i) {
-    store(qh, i, qf[i]);
-    exact = load(qh, i) == qf[i];
+  for (int64_t i = 0; exact && i < G * D; i += 16) {  // sixteen at a time: once per query row, ~1000 values
+    const __m512 v = _mm512_loadu_ps(qf + i);
+    store16(qh + i, v);
+    exact = _mm512_cmp_ps_mask(load16(qh + i), v, _CMP_EQ_OQ) == 0xffff;
   }
 #else
   constexpr bool exact = false;
 #endif
   // Scores KJ keys at a time: the G x KJ = 16 dot products' vectors summed into one vector by `sum16` (about three
   // instructions a score, against nine for a reduction each); the last group repeats its last key.
+  // Each lane's running maximum rides along (a repeated key's score is a real one); tanh, monotonic, maps the
+  // maximum of the raw scores to that of the capped ones.
   constexpr int KJ = 16 / G;
+  __m512 running = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < len; j0 += KJ) {
     const KV* kr[KJ];
     for (int kk = 0; kk < KJ; ++kk) {
@@ -118,7 +133,9 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
       }
     }
     alignas(64) float scores[16];
-    _mm512_store_ps(scores, sum16(dot));
+    const __m512 summed = sum16(dot);
+    running = _mm512_max_ps(running, summed);
+    _mm512_store_ps(scores, summed);
     const int64_t live = std::min<int64_t>(KJ, len - j0);
     for (int g = 0; g < G; ++g) {
       for (int64_t kk = 0; kk < live; ++kk) {
@@ -127,10 +144,13 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
       }
     }
   }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, running);
   for (int g = 0; g < G; ++g) {
     float* pg = p + g * len;
     float top = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < len; ++j) top = std::max(top, pg[j]);
+    for (int kk = 0; kk < KJ; ++kk) top = std::max(top, lanes[g * KJ + kk]);
+    if (s.softcap > 0.f) top = std::tanh(top * s.scaling / s.softcap) * s.softcap;
     const __m512 t = _mm512_set1_ps(top);
     __m512 total = _mm512_setzero_ps();
     int64_t j = 0;

@@ -32,16 +32,10 @@ void attend_extend(const T* q, const T* kb, const T* vb, const int32_t* idx, con
         for (int64_t i = 0; i < G * D; ++i) store(o, i, 0.f);
         continue;
       }
-      for (int64_t g = 0; g < G; ++g) {
-        const T* qr = q + (t * H + kh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = load(qr, d) * pre;
-      }
+      scaled_rows(q + (t * H + kh * G) * D, G * D, pre, qf.data());
       p.resize(G * (hi - lo));
       routine(qf.data(), kb, vb, Chunk{idx + kptr[b] + lo, hi - lo, kh}, s, p.data(), mx.data(), l.data(), acc.data());
-      for (int64_t g = 0; g < G; ++g) {
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) store(o, g * D + d, acc[g * D + d] * inv);
-      }
+      for (int64_t g = 0; g < G; ++g) scaled_rows(acc.data() + g * D, D, 1.f / l[g], o + g * D);
     }
   });
 }
