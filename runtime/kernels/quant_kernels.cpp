@@ -27,11 +27,11 @@ inline __m512 load_halves(const float* scales, int64_t i) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(scales) + i)));
 }
 
+// Sixteen consecutive outputs (a group of columns), rounded as `store` rounds: in one vector store, not sixteen
+// scalar roundings (those were a tenth of prefill's projections).
 template <typename T>
 inline void store_group(T* y, int64_t first, __m512 v) {
-  alignas(64) float out[16];
-  _mm512_store_ps(out, v);
-  for (int r = 0; r < 16; ++r) store(y, first + r, out[r]);
+  store16(y + first, v);
 }
 
 template <Format F, typename T, int M, int S>
