@@ -47,7 +47,8 @@ Best scan(const float* x, int64_t i0, int64_t i1) {
     _mm512_store_si512(reinterpret_cast<__m512i*>(ats), at);
     best = {tops[0], ats[0], nan != 0};
     for (int lane = 1; lane < 16; ++lane) {
-      if (tops[lane] > best.value || (tops[lane] == best.value && ats[lane] < best.index)) best = {tops[lane], ats[lane], best.nan};
+      const bool earlier_tie = tops[lane] == best.value && ats[lane] < best.index;
+      if (tops[lane] > best.value || earlier_tie) best = {tops[lane], ats[lane], best.nan};
     }
   }
 #endif

@@ -150,7 +150,7 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
     float* pg = p + g * len;
     float top = -std::numeric_limits<float>::infinity();
     for (int kk = 0; kk < KJ; ++kk) top = std::max(top, lanes[g * KJ + kk]);
-    if (s.softcap > 0.f) top = std::tanh(top * s.scaling / s.softcap) * s.softcap;
+    if (s.softcap > 0.f && len > 0) top = std::tanh(top * s.scaling / s.softcap) * s.softcap;  // empty: stays -inf
     const __m512 t = _mm512_set1_ps(top);
     __m512 total = _mm512_setzero_ps();
     int64_t j = 0;
