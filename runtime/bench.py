@@ -28,7 +28,7 @@ from tqdm import tqdm
 from runtime.config import EngineConfig
 from runtime.core import Req, SamplingParams
 from runtime.engine import Engine
-from runtime.memory_bound import decode_weight_bytes, read_bandwidth
+from runtime.memory_bound import decode_weight_bytes, read_bandwidth, read_buffer
 from runtime.models.loader import load_model, random_state_dict
 from runtime.models.registry import resolve_model
 from runtime.models.tokenizer import load_tokenizer
@@ -230,13 +230,15 @@ def kv_row(engine: Engine, batch: int, prompts: list[list[int]], used: dict | No
 
 
 def telemetry_overhead(probes: dict[str, EngineProbe], prompts: list[list[int]], gen_len: int, rounds: int,
-                       progress: bool) -> dict:
+                       progress: bool, after_round: Callable[[], float] | None = None) -> dict:
     """Decode-forward time with telemetry on and off. Both engines serve the same requests in lockstep, one
     step each in turn (on/off, then off/on, ...), so their i-th decode steps run the same batch moments
     apart, under the same load from other processes; whole runs, seconds apart, drift by +-15% on a shared
-    two-core machine. The overhead is the median over step pairs of on/off."""
+    two-core machine. The overhead is the median over step pairs of on/off. `after_round`: a measurement
+    taken after each round (the read bandwidth), listed with each round's median telemetry-on step."""
     steps: dict[str, list[float]] = {"on": [], "off": []}
     ratios: list[float] = []
+    per_round: list[tuple[float, float | None]] = []  # (median step on, after_round's value)
     params = SamplingParams(max_new_tokens=gen_len, ignore_eos=True)
     with tqdm(total=rounds, desc="telemetry on/off", unit="round", disable=not progress, leave=False) as bar:
         for r in range(rounds):
@@ -257,23 +259,30 @@ def telemetry_overhead(probes: dict[str, EngineProbe], prompts: list[list[int]],
             steps["on"] += on
             steps["off"] += off
             ratios += [a / b for a, b in zip(on, off)]
+            per_round.append((statistics.median(on), after_round() if after_round is not None else None))
             bar.update()
     low, high = median_interval(ratios)
     return {"batch": len(prompts), "rounds": rounds, "steps_per_side": len(steps["on"]),
             "median_step_ms_on": statistics.median(steps["on"]) * 1e3,
             "median_step_ms_off": statistics.median(steps["off"]) * 1e3,
-            "pair_ratios": ratios, "overhead_pct": (statistics.median(ratios) - 1) * 100,
+            "pair_ratios": ratios, "per_round": per_round, "overhead_pct": (statistics.median(ratios) - 1) * 100,
             "overhead_pct_ci95": ((low - 1) * 100, (high - 1) * 100)}
 
 
-def memory_limit(model, batch: int, step_s: float) -> dict:
-    """A decode step next to its memory-bound floor: the weight bytes it reads over the machine's measured
-    read bandwidth (runtime/memory_bound.py)."""
-    weights = decode_weight_bytes(model, batch)
-    bandwidth = read_bandwidth()
-    floor = weights / bandwidth
-    return {"batch": batch, "weight_bytes": weights, "read_bandwidth": bandwidth, "floor_ms": floor * 1e3,
-            "step_ms": step_s * 1e3, "step_over_floor": step_s / floor}
+def memory_limit(model, overhead: dict) -> dict:
+    """A decode step next to its memory-bound floor: the weight bytes it reads over the machine's read bandwidth
+    (runtime/memory_bound.py), probed after each round of `overhead` (`telemetry_overhead` with the probe as
+    `after_round`): each round's median telemetry-on step over the floor at its own bandwidth, since a shared
+    machine's bandwidth moves between rounds. The ratio is the median over rounds."""
+    weights = decode_weight_bytes(model, overhead["batch"])
+    rounds = [(step, weights / bandwidth) for step, bandwidth in overhead["per_round"]]
+    ratios = [step / floor for step, floor in rounds]
+    bandwidths = [bandwidth for _, bandwidth in overhead["per_round"]]
+    bandwidth = statistics.median(bandwidths)
+    return {"batch": overhead["batch"], "weight_bytes": weights, "read_bandwidth": bandwidth,
+            "read_bandwidth_range": (min(bandwidths), max(bandwidths)), "floor_ms": weights / bandwidth * 1e3,
+            "step_ms": overhead["median_step_ms_on"], "round_ratios": ratios,
+            "step_over_floor": statistics.median(ratios)}
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:
@@ -336,11 +345,16 @@ def format_report(report: dict) -> str:
               f"{o['overhead_pct_ci95'][0]:+.2f}% .. {o['overhead_pct_ci95'][1]:+.2f}%)"]
     m = report.get("memory_limit")
     if m is not None:
+        low, high = m["read_bandwidth_range"]
+        ratios = m["round_ratios"]
         lines += ["", f"Decode against the memory limit (batch {m['batch']}, the telemetry-on steps above)",
-                  f"  weights read per step: {m['weight_bytes'] / 1e6:.1f} MB; read bandwidth measured now: "
-                  f"{m['read_bandwidth'] / 1e9:.1f} GB/s ({s['threads']} threads)",
-                  f"  floor (bytes / bandwidth): {m['floor_ms']:.2f} ms; median step {m['step_ms']:.2f} ms = "
-                  f"{m['step_over_floor']:.2f}x the floor ({1 / m['step_over_floor']:.0%} of the limit)"]
+                  f"  weights read per step: {m['weight_bytes'] / 1e6:.1f} MB; read bandwidth probed after each "
+                  f"round: median {m['read_bandwidth'] / 1e9:.1f} GB/s ({low / 1e9:.1f} .. {high / 1e9:.1f}; "
+                  f"{s['threads']} threads)",
+                  f"  floor (bytes / bandwidth): {m['floor_ms']:.2f} ms at the median; each round's median step "
+                  f"over its own floor: {' '.join(f'{r:.2f}x' for r in ratios)}",
+                  f"  median step {m['step_ms']:.2f} ms = {m['step_over_floor']:.2f}x the floor (median over "
+                  f"rounds; {1 / m['step_over_floor']:.0%} of the limit)"]
     return "\n".join(lines)
 
 
@@ -390,10 +404,12 @@ def run_bench(args, cfg: EngineConfig) -> int:
 
     # Measured first, while both engines have served the same requests (slot order in the free lists and
     # the pools' touched pages then match, so only telemetry differs).
+    buffer = read_buffer()
     overhead = telemetry_overhead({"on": probe, "off": probe_off}, prompts_for(min(batch_sizes)),
-                                  max(gen_len, 2), args.overhead_rounds, progress=True)
-
-    limit = memory_limit(model, overhead["batch"], overhead["median_step_ms_on"] / 1e3)
+                                  max(gen_len, 2), args.overhead_rounds, progress=True,
+                                  after_round=lambda: read_bandwidth(buffer=buffer))
+    del buffer
+    limit = memory_limit(model, overhead)
     throughput, kv = [], []
     for batch in batch_sizes:
         prompts = prompts_for(batch)

@@ -7,7 +7,8 @@ int8 LM head below its row limit, the float head above; int8 weight-only layers;
 int4/int8 decode copies below their row limits; the model's dtype otherwise; one embedding row per token), and
 `read_bandwidth` measures the rate at which this process can stream a buffer far larger than the caches, with
 the threads torch uses. `swa-runtime bench` prints both and the fraction of that floor a measured step
-reaches.
+reaches. A shared machine's bandwidth moves (45 to 80 GB/s from one minute to the next on a 2-core cloud EPYC),
+so the bench probes it after each round of steps and holds each round against its own probe.
 """
 
 from __future__ import annotations
@@ -62,14 +63,21 @@ def decode_weight_bytes(model: nn.Module, rows: int = 1) -> int:
     return total + _head_bytes(head, rows)
 
 
-def read_bandwidth(repeats: int = 5, nbytes: int = READ_BUFFER_BYTES) -> float:
+def read_bandwidth(repeats: int = 5, nbytes: int = READ_BUFFER_BYTES, buffer: torch.Tensor | None = None) -> float:
     """Bytes per second this process streams from memory (best of `repeats` sums of a buffer of `nbytes`,
-    with torch's threads), the denominator of the memory-bound floor."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    buf.sum()  # touch every page once before timing
+    with torch's threads), the denominator of the memory-bound floor. `buffer` (float32, from `read_buffer`):
+    one kept for probes repeated between measurements, instead of a new one each time."""
+    buf = read_buffer(nbytes) if buffer is None else buffer
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         buf.sum()
         best = min(best, time.perf_counter() - start)
-    return nbytes / best
+    return buf.numel() * buf.element_size() / best
+
+
+def read_buffer(nbytes: int = READ_BUFFER_BYTES) -> torch.Tensor:
+    """The probe's buffer, every page touched once (a first touch would be timed as page faults)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    buf.sum()
+    return buf
