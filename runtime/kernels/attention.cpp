@@ -16,7 +16,8 @@ void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int3
   const int64_t G = s.G, D = s.D, H = s.H, Hkv = s.Hkv;
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = B * Hkv;
-  const int64_t chunks = std::max<int64_t>(1, (threads + pairs - 1) / pairs);  // one a thread: each has a set-up
+  // A single (request, kv head): one chunk a thread (each chunk has a set-up); more: two a thread, for balance.
+  const int64_t chunks = pairs == 1 ? threads : std::max<int64_t>(1, (2 * threads + pairs - 1) / pairs);
   const int64_t items = pairs * chunks;
   const auto routine = chunk_routine<T>(s);
   std::vector<float> m(items * G), l(items * G), acc(items * G * D);
