@@ -1,7 +1,7 @@
 // The low-bit kernels over quant.cpp's layouts, on AVX512-VNNI: up to 8 rows streamed (`Projection::run`: each
 // thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
 // core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
-// GB/s; four streams for one or two rows (two on AMD: `two_streams`), two for three or four, one beyond, as the
+// GB/s; four streams for one or two rows (two on AMD: `vnni_vendor`), two for three or four, one beyond, as the
 // registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64
 // multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights
 // stay in the core's caches while its rows go by).
@@ -24,7 +24,8 @@ inline __m512i broadcast_quad(const int8_t* p) {
 
 // Sixteen float16 scales at index i of a per-block scale array (its storage handed around as float*).
 inline __m512 load_halves(const float* scales, int64_t i) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(scales) + i)));
+  const uint16_t* halves = reinterpret_cast<const uint16_t*>(scales) + i;
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
 }
 
 // Sixteen consecutive outputs (a group of columns), rounded as `store` rounds: in one vector store, not sixteen
@@ -34,12 +35,13 @@ inline void store_group(T* y, int64_t first, __m512 v) {
   store16(y + first, v);
 }
 
-// Lines a stream reads ahead with `prefetchnta` where `kAhead` (AMD): the weights pass through without displacing
-// what the rest of the step keeps in the caches (the KV cache, the interpreter's own data); a batch-1 step 5-10%
-// faster on a 2-core EPYC at ~50 GB/s, none slower at ~80 (64 lines ahead: no better; `prefetcht1`: half the gain).
+// Lines a stream reads ahead with `prefetchnta` where `kAhead` (AMD, `vnni_vendor`): the weights pass through
+// without displacing what the rest of the step keeps in the caches (the KV cache, the interpreter's own data); a
+// batch-1 step 5-10% faster on a 2-core EPYC at ~50 GB/s, none slower at ~80 (64 lines ahead: no better;
+// `prefetcht1`: half the gain).
 constexpr int64_t kAheadLines = 32;
 
-template <Format F, typename T, int M, int S, bool kAhead = false>
+template <Format F, typename T, int M, int S, bool kAhead>
 void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
                int64_t g1) {
   const int64_t K = x.K, blocks = K / kBlock;
@@ -66,7 +68,8 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
         for (int st = 0; st < live; ++st) {
           const uint8_t* at = w + gs[st] * group_bytes + (b * kLines + j) * 64;
           if constexpr (kAhead)  // an address past the weights is harmless: a prefetch never faults
-            _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + kAheadLines * 64), _MM_HINT_NTA);
+            _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + kAheadLines * 64),
+                         _MM_HINT_NTA);
           const __m512i line = _mm512_loadu_si512(at);
           if constexpr (F != Format::kInt4) {
             for (int m = 0; m < M; ++m)
@@ -120,13 +123,21 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
   }
 }
 
-// Streams a thread keeps in flight for one or two rows. Four on Intel (a Xeon read a 168 MB head at 36-40 GB/s with
-// four, 16 with one); two on AMD, where four crowd its prefetchers: on a 2-core EPYC (family 26) two read the same
-// head 7-8% faster at one row and 20-25% faster at two, and a whole batch-1 step of kernels 6-8% faster. AMD's
-// streams also read ahead (`kAheadLines`); neither choice was measured on the other vendor's CPUs.
-inline bool two_streams() {
-  static const bool amd = __builtin_cpu_is("amd");
-  return amd;
+// The streaming kernels' choices by vendor, each measured on one kind of CPU only. Intel: four streams a thread
+// for one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: two
+// streams for one or two rows, where four crowd its prefetchers, and every stream reads ahead (`kAheadLines`): on
+// a 2-core EPYC (family 26) the int8 head reads 7-8% faster at one row with two streams, 20-25% at two; the
+// read-ahead takes a batch-1 step 5-10% further, the head at four and eight rows 10-20%.
+inline bool amd() {
+  static const bool is_amd = __builtin_cpu_is("amd");
+  return is_amd;
+}
+
+template <Format F, typename T, int M, int S>
+void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
+                 int64_t g1) {
+  if (amd()) vnni_rows<F, T, M, (S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
+  else vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1);
 }
 
 // The row count as a template argument, with the streams the registers allow for it.
@@ -134,20 +145,14 @@ template <Format F, typename T>
 void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
                    int64_t g0, int64_t g1) {
   switch (M) {
-    case 1:
-      if (two_streams()) vnni_rows<F, T, 1, 2, true>(w, sc, x, y, N, g0, g1);
-      else vnni_rows<F, T, 1, 4>(w, sc, x, y, N, g0, g1);
-      break;
-    case 2:
-      if (two_streams()) vnni_rows<F, T, 2, 2, true>(w, sc, x, y, N, g0, g1);
-      else vnni_rows<F, T, 2, 4>(w, sc, x, y, N, g0, g1);
-      break;
-    case 3: vnni_rows<F, T, 3, 2>(w, sc, x, y, N, g0, g1); break;
-    case 4: vnni_rows<F, T, 4, 2>(w, sc, x, y, N, g0, g1); break;
-    case 5: vnni_rows<F, T, 5, 1>(w, sc, x, y, N, g0, g1); break;
-    case 6: vnni_rows<F, T, 6, 1>(w, sc, x, y, N, g0, g1); break;
-    case 7: vnni_rows<F, T, 7, 1>(w, sc, x, y, N, g0, g1); break;
-    default: vnni_rows<F, T, 8, 1>(w, sc, x, y, N, g0, g1); break;
+    case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1); break;
+    case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1); break;
+    case 3: vnni_vendor<F, T, 3, 2>(w, sc, x, y, N, g0, g1); break;
+    case 4: vnni_vendor<F, T, 4, 2>(w, sc, x, y, N, g0, g1); break;
+    case 5: vnni_vendor<F, T, 5, 1>(w, sc, x, y, N, g0, g1); break;
+    case 6: vnni_vendor<F, T, 6, 1>(w, sc, x, y, N, g0, g1); break;
+    case 7: vnni_vendor<F, T, 7, 1>(w, sc, x, y, N, g0, g1); break;
+    default: vnni_vendor<F, T, 8, 1>(w, sc, x, y, N, g0, g1); break;
   }
 }
 
