@@ -31,7 +31,7 @@ void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int3
       const float pre = s.softcap > 0.f ? 1.f : s.scaling;  // without soft-capping the scaling rides on q
       scaled_rows(q + (b * H + kh * G) * D, G * D, pre, qf.data());
       p.resize(G * std::max<int64_t>(j1 - j0, 1));
-      routine(qf.data(), kb, vb, Chunk{idx + first + j0, j1 - j0, kh}, s, p.data(), m.data() + it * G,
+      routine(qf.data(), kb, vb, Chunk{idx + first + j0, j1 - j0, kh, true}, s, p.data(), m.data() + it * G,
               l.data() + it * G, acc.data() + it * G * D);
     }
   });

@@ -15,6 +15,9 @@ namespace attention {
 struct Chunk {  // one (request, kv head, chunk of its keys)
   const int32_t* slots;
   int64_t len, kh;
+  // The rows are likely in memory, not in the caches (decode: the weights streamed in between evicted them): the
+  // score loop then fetches each key's value row along with its key row, and the weighted sum finds them cached.
+  bool cold = false;
 };
 
 struct Shape {
@@ -29,8 +32,8 @@ inline void check_slot(int64_t slot, int64_t S) {
 #if defined(__AVX512F__)
 // Keys ahead whose rows are fetched while the current ones are multiplied: a decode step reads each layer's keys
 // and values from memory (the weights streamed in between evict them), slot by slot, and the fetches in flight
-// hide the latency (one Gemma 3 270M decode step's attention 0.56 -> 0.45 ms on a 2-core EPYC). The score loop
-// fetches the value rows too, so that the weighted sum finds them cached (a cold 512-key decode 31 -> 25 us).
+// hide the latency (one Gemma 3 270M decode step's attention 0.56 -> 0.45 ms on a 2-core EPYC). A cold chunk's
+// score loop fetches the value rows too (`Chunk::cold`: a cold 512-key decode 31 -> 25 us).
 constexpr int64_t kAhead = 8;
 
 // Fetch `bytes` from p on into the caches.
