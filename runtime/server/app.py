@@ -236,12 +236,13 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, body.rid)
         params = body.sampling_params.to_params()
-        await admit()
-        prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
-                                     params.max_new_tokens)
-        stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request),
-                                          timeout_s=opts.request_timeout_s)
-        rid = live.add(stream, client_rid)
+        with live.opening(client_rid) as opening:
+            await admit()
+            prompt_ids = await prompt_of(body.input_ids if body.input_ids is not None else body.text,
+                                         params.max_new_tokens)
+            stream = await engine_loop.submit(prompt_ids, params, traceparent=traceparent_of(request),
+                                              timeout_s=opts.request_timeout_s)
+            rid = live.add([stream], opening)
         if body.stream:
             return SSEResponse(_generate_events(stream, tokenizer, rid), on_close=stream.abort)
         await collect(stream, request)
@@ -253,15 +254,15 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
         body = await parse(request, CompletionRequest)
         check_model(body.model)
         client_rid = router_compat.client_request_id(request, None)
-        await admit()
-        max_new, n = body.max_new_tokens(), body.choices_per_prompt
-        prompts = [await prompt_of(p, max_new) for p in body.prompts()]
-        streams = await choices.submit_all(engine_loop, [(ids, body.to_params(max_new, j))
-                                                         for ids in prompts for j in range(n)],
-                                            traceparent=traceparent_of(request), timeout_s=opts.request_timeout_s)
-        rid = live.add(streams[0], client_rid)
-        for s in streams[1:]:
-            live.add(s, client_rid or rid)
+        with live.opening(client_rid) as opening:
+            await admit()
+            max_new, n = body.max_new_tokens(), body.choices_per_prompt
+            prompts = [await prompt_of(p, max_new) for p in body.prompts()]
+            streams = await choices.submit_all(engine_loop, [(ids, body.to_params(max_new, j))
+                                                             for ids in prompts for j in range(n)],
+                                                traceparent=traceparent_of(request),
+                                                timeout_s=opts.request_timeout_s)
+            rid = live.add(streams, opening)
         now, stops, logprobs = int(time.time()), body.stop_strings(), body.logprobs is not None
         if body.streaming:
             return SSEResponse(openai_stream.completion_events(streams, tokenizer, rid, model_name, now, stops, n,
@@ -279,16 +280,20 @@ def create_app(engine_loop: EngineLoop, *, model_name: str, options: ServerOptio
     async def chat_completions(request: Request) -> Response:
         body = await parse(request, chat.ChatCompletionRequest)
         check_model(body.model)
-        await admit()
-        asked = body.max_new_tokens()
-        prompt_ids = await prompt_of(chat_prompt.render(body.messages), asked or 1)
-        # without a limit: the server's default, never more than the context leaves
-        max_new = asked or min(api.max_new_tokens_default, context_length - len(prompt_ids))
-        n = body.choices_per_prompt
-        streams = await choices.submit_all(engine_loop, [(prompt_ids, body.to_params(max_new, j)) for j in range(n)],
-                                            traceparent=traceparent_of(request), timeout_s=opts.request_timeout_s)
+        client_rid = router_compat.client_request_id(request, None)
+        with live.opening(client_rid) as opening:
+            await admit()
+            asked = body.max_new_tokens()
+            prompt_ids = await prompt_of(chat_prompt.render(body.messages), asked or 1)
+            # without a limit: the server's default, never more than the context leaves
+            max_new = asked or min(api.max_new_tokens_default, context_length - len(prompt_ids))
+            n = body.choices_per_prompt
+            streams = await choices.submit_all(engine_loop, [(prompt_ids, body.to_params(max_new, j))
+                                                             for j in range(n)],
+                                                traceparent=traceparent_of(request),
+                                                timeout_s=opts.request_timeout_s)
+            rid = live.add(streams, opening)
         now, stops, logprobs = int(time.time()), body.stop_strings(), body.logprobs is True
-        rid = streams[0].rid
         if body.streaming:
             return SSEResponse(openai_stream.chat_events(streams, tokenizer, rid, model_name, now, stops,
                                                          body.include_usage, logprobs),

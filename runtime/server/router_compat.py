@@ -26,6 +26,8 @@ section sums it up for users); what each piece here answers:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -55,28 +57,59 @@ def client_request_id(request: Request, body_rid: str | None) -> str | None:
     return rid
 
 
+class Opening:
+    """A request whose handler is still admitting and submitting it: no stream exists yet to cancel, so an
+    abort meant for it is held here and applied once its streams do."""
+
+    def __init__(self, client_id: str | None) -> None:
+        self.client_id = client_id
+        self.cancelled = False
+
+
 class LiveRequests:
     """Requests in flight, found by the id their client gave (or, without one, by ours) for `/abort_request`.
 
     Holds the streams weakly: a request whose handler let go of it (finished, or its client left and it was
-    aborted) disappears by itself. Several live requests may share a client id; an abort ends them all."""
+    aborted) disappears by itself. Several live requests may share a client id; an abort ends them all.
+    A request counts from the moment its handler opens it (`opening`), not from the moment the engine accepted
+    it: the engine may already be computing it before the handler hears back, and an abort in between must
+    not be lost."""
 
     def __init__(self) -> None:
         self._ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # RequestStream -> client id
+        self._opening: list[Opening] = []
 
-    def add(self, stream, client_id: str | None) -> str:
-        """Remember `stream`; returns the id responses report (the client's, else the engine's)."""
-        rid = client_id if client_id is not None else stream.rid
-        self._ids[stream] = rid
+    @contextmanager
+    def opening(self, client_id: str | None) -> Iterator[Opening]:
+        """Around a handler's admission and submission: aborts for `client_id` (or all) are remembered."""
+        entry = Opening(client_id)
+        self._opening.append(entry)
+        try:
+            yield entry
+        finally:
+            self._opening.remove(entry)
+
+    def add(self, streams: list, opening: Opening) -> str:
+        """Remember a request's streams (one per choice); returns the id responses report (the client's, else
+        the first stream's). Cancels them at once if an abort came while the request was opening."""
+        rid = opening.client_id if opening.client_id is not None else streams[0].rid
+        for stream in streams:
+            self._ids[stream] = rid
+            if opening.cancelled:
+                stream.abort("cancelled")
         return rid
 
     def abort(self, rid: str) -> None:
         """Cancel every unfinished request known by `rid` (cancelling one that just ended is a no-op)."""
+        for entry in self._opening:
+            entry.cancelled = entry.cancelled or entry.client_id == rid
         for stream, cid in list(self._ids.items()):
             if cid == rid or stream.rid == rid:
                 stream.abort("cancelled")
 
     def abort_all(self) -> None:
+        for entry in self._opening:
+            entry.cancelled = True
         for stream in list(self._ids.keys()):
             stream.abort("cancelled")
 

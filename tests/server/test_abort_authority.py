@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -90,26 +91,78 @@ def test_a_cancelled_stream_ends_with_an_error_event_and_frees_its_slots(admin_c
     assert admin_client.post("/abort_request", json={"rid": "to-abort"}, headers=AUTH).status_code == 200
 
 
-def test_a_cancelled_request_waiting_for_its_whole_answer_gets_410(admin_client, guarded):
+def wait_in_background(client, rid: str) -> Callable[[], httpx.Response]:
+    """POST a long /generate named `rid` from another thread; returns a call that waits for its response."""
     result = {}
 
     def wait():
-        result["r"] = admin_client.post("/generate", json={"input_ids": PROMPT, "rid": "whole",
-                                                           "sampling_params": LONG})
+        result["r"] = client.post("/generate", json={"input_ids": PROMPT, "rid": rid, "sampling_params": LONG})
 
     worker = threading.Thread(target=wait)
     worker.start()
-    deadline = time.monotonic() + 30
-    while kv_used(admin_client) == 0:
+
+    def response() -> httpx.Response:
+        worker.join(30)
+        return result["r"]
+    return response
+
+
+def until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
         assert time.monotonic() < deadline
-        time.sleep(0.02)
+        time.sleep(0.01)
+
+
+def test_a_cancelled_request_waiting_for_its_whole_answer_gets_410(admin_client, guarded):
+    response = wait_in_background(admin_client, "whole")
+    until(lambda: kv_used(admin_client) > 0)
     assert admin_client.post("/abort_request", json={"rid": "whole"}, headers=AUTH).status_code == 200
-    worker.join(30)
-    r = result["r"]
+    r = response()
     assert r.status_code == 410 and r.json()["error"]["type"] == "request_cancelled"
     metrics = admin_client.get("/metrics").text
     assert 'swa_runtime_http_responses_total{code="410"} 1.0' in metrics
     guarded.wait_idle_clean()
+
+
+def test_an_abort_that_arrives_before_the_engine_has_answered_the_submission_is_not_lost(admin_client, guarded):
+    """The engine may take a request (and start computing it) before its handler hears back; an abort sent
+    in between must still cancel it. Holding the engine thread makes that window as wide as we like."""
+    loop, release = guarded.engine_loop, threading.Event()
+    held = loop.call(lambda: release.wait(30))
+    response = wait_in_background(admin_client, "early")
+    until(lambda: loop._pending_adds > 0)  # submitted, not yet taken by the (held) engine thread
+    assert admin_client.post("/abort_request", json={"rid": "early"}, headers=AUTH).status_code == 200
+    release.set()
+    held.result(30)
+    r = response()
+    assert r.status_code == 410 and r.json()["error"]["type"] == "request_cancelled"
+    guarded.wait_idle_clean()
+
+
+def test_abort_all_and_a_request_id_header_cancel_a_chat_completion(admin_client, guarded):
+    body = {"messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 900,
+            "stream": True, "ignore_eos": True}
+    for abort in ({"rid": "chat-7"}, {"abort_all": True}):
+        lines, started = [], threading.Event()
+
+        def consume():
+            with admin_client.stream("POST", "/v1/chat/completions", json=body,
+                                     headers={"X-Request-Id": "chat-7"}) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    started.set()
+
+        worker = threading.Thread(target=consume)
+        worker.start()
+        assert started.wait(30)
+        assert admin_client.post("/abort_request", json=abort, headers=AUTH).status_code == 200
+        worker.join(30)
+        events = sse_events(lines)
+        assert events[0]["id"] == "chatcmpl-chat-7" and events[-1] == "[DONE]"
+        assert events[-2]["error"]["type"] == "request_cancelled"
+        assert not any(c.get("finish_reason") for e in events[:-1] if "choices" in e for c in e["choices"])
+        guarded.wait_idle_clean()
 
 
 def test_abort_request_validates_its_body(admin_client):
