@@ -20,6 +20,7 @@ from runtime.core import Req, SamplingParams, TokenLogprob
 from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
+from runtime.int_tensors import int_tensor
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
@@ -125,18 +126,18 @@ class Engine:
     def _forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
         """The tensors of a forward; the request table gets each request's new slots (whole rows if fresh)."""
         table = self.runner.req_to_token
-        locs = torch.tensor(batch.out_locs, dtype=torch.int64)
+        locs = torch.tensor(batch.out_locs, dtype=torch.int64)  # torch's allocator: its addresses get reused
         offset = 0
         for r, p, s, fresh in zip(batch.reqs, batch.prefix_lens, batch.seq_lens, batch.fresh_rows):
             if fresh and p:
-                table.write(r.row, 0, torch.tensor(r.locs[:p], dtype=torch.int64))
+                table.write(r.row, 0, int_tensor(r.locs[:p]))
             table.write(r.row, p, locs[offset:offset + s - p])
             offset += s - p
         device = self.cfg.device
         return ForwardBatch(
             is_decode=batch.is_decode,
-            input_ids=torch.tensor(batch.input_ids(), dtype=torch.int64, device=device),
-            positions=torch.tensor(batch.positions(), dtype=torch.int64, device=device),
+            input_ids=int_tensor(batch.input_ids(), device=device),
+            positions=int_tensor(batch.positions(), device=device),
             out_cache_loc=locs.to(device),
             req_rows=[r.row for r in batch.reqs],
             prefix_lens=list(batch.prefix_lens),

@@ -16,6 +16,7 @@ import torch
 
 from runtime.attention.sliding_window import KVIndexList, build_kv_index_list, to_index_list, window_index_list
 from runtime.executor.forward_batch import ForwardBatch
+from runtime.int_tensors import int_tensor
 
 
 @dataclass
@@ -55,7 +56,7 @@ class AttentionBackend(ABC):
             qo.append(qo[-1] + n)
         device = batch.input_ids.device
         self.meta = AttentionMetadata(
-            qo_indptr=torch.tensor(qo, dtype=torch.int32, device=device),
+            qo_indptr=int_tensor(qo, torch.int32, device),
             qo_list=qo,
             q_positions=batch.positions.to(torch.int32),
             full=to_index_list(full_slots, starts, lens),

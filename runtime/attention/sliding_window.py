@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.int_tensors import int_tensor
+
 
 @dataclass
 class KVIndexList:
@@ -40,8 +42,8 @@ def to_index_list(slots: torch.Tensor, starts: list[int], lens: list[int]) -> KV
     indptr_list = [0]
     for n in lens:
         indptr_list.append(indptr_list[-1] + n)
-    indptr = torch.tensor(indptr_list, dtype=torch.int32, device=device)
-    return KVIndexList(indptr, slots.to(torch.int32), torch.tensor(starts, dtype=torch.int32, device=device),
+    indptr = int_tensor(indptr_list, torch.int32, device)
+    return KVIndexList(indptr, slots.to(torch.int32), int_tensor(starts, torch.int32, device),
                        indptr_list, list(starts))
 
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.int_tensors import int_tensor
+
 
 @dataclass(kw_only=True)
 class ForwardBatch:
@@ -45,5 +47,5 @@ class ForwardBatch:
 
     def last_token_index(self) -> torch.Tensor:
         """(B,) index of each request's last new token in the flattened T (its logits sample the next)."""
-        ends = torch.tensor(self.extend_lens).cumsum(0) - 1
+        ends = int_tensor(self.extend_lens).cumsum(0) - 1
         return ends.to(self.input_ids.device)

@@ -9,6 +9,8 @@ NaN or +inf (a model failure) raises `SamplingError` naming the row; the caller 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from runtime import kernels
@@ -28,18 +30,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     # NaN), +inf if one is +inf, -inf if all are; and its index is the greedy token (the first maximal one,
     # as argmax picks).
     top, greedy = row_max(logits)  # (B,), (B,)
-    bad = ~torch.isfinite(top)
-    if bool(bad.any()):
-        rows = bad.nonzero().flatten().tolist()
-        raise SamplingError(f"non-finite logits in row(s) {rows} of {logits.shape[0]}: nothing to sample from")
+    bad = [i for i, value in enumerate(top.tolist()) if not math.isfinite(value)]  # a few rows: cheaper as a list
+    if bad:
+        raise SamplingError(f"non-finite logits in row(s) {bad} of {logits.shape[0]}: nothing to sample from")
     greedy = greedy.tolist()
     out = []
-    for i, (row, p) in enumerate(zip(logits, params)):
+    for i, p in enumerate(params):
         if p.temperature == 0.0:
             out.append(greedy[i])
             continue
         gen = generator[i] if isinstance(generator, list) else generator
-        out.append(int(torch.multinomial(_probabilities(row, p), 1, generator=gen)))
+        out.append(int(torch.multinomial(_probabilities(logits[i], p), 1, generator=gen)))
     return out
 
 

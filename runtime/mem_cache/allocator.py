@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from runtime.int_tensors import bounds, int_tensor
 from runtime.mem_cache.paths import PAGED_ALLOCATOR_PATHS
 
 
@@ -93,7 +94,7 @@ class PagedAllocator:
                 take = min(ps, s - p)
                 out.extend(range(base, base + take))
                 p += take
-        return torch.tensor(out, dtype=torch.int64, device=self.device)
+        return int_tensor(out, device=self.device)
 
     def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> torch.Tensor | None:
         """One slot per request for the token at position seq_len-1 (seq_lens include the new token)."""
@@ -136,7 +137,7 @@ class PagedAllocator:
 
     def _slots_of_pages(self, pages: list[int]) -> torch.Tensor:
         ps = self.page_size
-        page_t = torch.tensor(pages, dtype=torch.int64)
+        page_t = int_tensor(pages)
         slots = (page_t[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
         return slots.to(self.device)
 
@@ -154,7 +155,7 @@ def check_locations(locs: torch.Tensor, num_rows: int, *, allow_reserved: bool, 
         raise TypeError(f"locations must be int32 or int64, got {locs.dtype}")
     if locs.numel() == 0:
         return
-    lo, hi = int(locs.min()), int(locs.max())
+    lo, hi = bounds(locs)
     first = 0 if allow_reserved else page_size
     if lo < first or hi >= num_rows:
         raise IndexError(f"location out of range: min {lo}, max {hi}, valid {first}..{num_rows - 1}")

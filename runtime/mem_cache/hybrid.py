@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from runtime.int_tensors import int_tensor
 from runtime.mem_cache.allocator import AllocationError, PagedAllocator, check_locations
 from runtime.mem_cache.mapping_record import MappingRecord
 from runtime.mem_cache.paths import HYBRID_ALLOCATOR_PATHS
@@ -83,7 +84,7 @@ class HybridAllocator:
         layout, continuing from the SWA slot of each request's last token (found through the mapping)."""
         if not self.can_extend(prefix_lens, seq_lens):
             return None
-        swa_last = self.full_to_swa_index_mapping[torch.tensor(last_locs, dtype=torch.int64)].tolist()
+        swa_last = self.full_to_swa_index_mapping[int_tensor(last_locs)].tolist()
         for p, last, swa in zip(prefix_lens, last_locs, swa_last):
             if p % self.page_size and swa <= 0:
                 raise AllocationError(f"token at full slot {last} lost its SWA slot mid-page")

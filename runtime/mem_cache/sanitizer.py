@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime.int_tensors import int_tensor
 from runtime.mem_cache.ownership import FREE, TREE, UNCLAIMED, OwnershipLedger
 from telemetry.events import KeyChangeEvent, caller_stack
 
@@ -94,7 +95,7 @@ class KVSanitizer(NullSanitizer):
         """The batch whose tokens the next writes and reads belong to (from the backend's metadata init)."""
         self._unbind()
         self._batch, self._table = batch, table
-        rows = torch.tensor(batch.req_rows, dtype=torch.int64)
+        rows = int_tensor(batch.req_rows)
         if not batch.is_decode:  # a decode token per request needs no repeat (the common, hot case)
             rows = torch.repeat_interleave(rows, torch.tensor(batch.extend_lens))
         self._rows = rows

@@ -10,8 +10,7 @@ free slots first evicts them (least recently used first), so the scheduler plans
 
 from __future__ import annotations
 
-import torch
-
+from runtime.int_tensors import int_tensor
 from runtime.mem_cache.hicache import HostKV, HostKVCache
 from runtime.mem_cache.hybrid import HybridAllocator
 from runtime.mem_cache.radix_cache import PrefixMatch, RadixCache
@@ -64,35 +63,34 @@ class KVSlots:
         `rows[i]` (`labels`: row -> request id, for the logs). One ledger update for the whole batch."""
         ledger = self.allocator.ledger
         if ledger is not None and locs:
-            ledger.claim(torch.tensor(locs, dtype=torch.int64), torch.tensor(rows, dtype=torch.int64),
-                         torch.tensor(positions, dtype=torch.int64), labels)
+            ledger.claim(int_tensor(locs), int_tensor(rows), int_tensor(positions), labels)
 
     def share(self, row: int, locs: list[int]) -> None:
         """The request in table row `row` reads the cached prefix `locs` (its match; [] for none)."""
         ledger = self.allocator.ledger
         if ledger is not None:
-            ledger.share(row, torch.tensor(locs, dtype=torch.int64))
+            ledger.share(row, int_tensor(locs))
 
     def to_tree(self, locs: list[int], start: int) -> None:
         """The prefix cache now holds the full slots of positions start.. (`locs`)."""
         ledger = self.allocator.ledger
         if ledger is not None and locs:
-            ledger.to_tree(torch.tensor(locs, dtype=torch.int64), start)
+            ledger.to_tree(int_tensor(locs), start)
 
     def free(self, locs: list[int], site: str = "free") -> None:
         if locs:
-            self.allocator.free(torch.tensor(locs, dtype=torch.int64), site=site)
+            self.allocator.free(int_tensor(locs), site=site)
 
     def unmap(self, locs: list[int], site: str) -> None:
         """Clear the full->SWA mapping of tokens whose slots stay held (see HybridAllocator.clear_swa_mapping)."""
         if locs:
-            self.allocator.clear_swa_mapping(torch.tensor(locs, dtype=torch.int64), site=site)
+            self.allocator.clear_swa_mapping(int_tensor(locs), site=site)
 
     def free_swa(self, locs: list[int], site: str = "free_swa") -> int:
         """Give back the SWA side of tokens that left every window; returns SWA slots freed (page-rounded)."""
         if not locs:
             return 0
-        return self.allocator.free_swa(torch.tensor(locs, dtype=torch.int64), site=site)
+        return self.allocator.free_swa(int_tensor(locs), site=site)
 
     def usage(self) -> dict[tuple[str, str], int]:
         """{(pool, state): tokens} for pool in full/swa and state in total/available/used. The prefix cache's

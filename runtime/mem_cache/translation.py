@@ -28,6 +28,7 @@ from typing import Protocol
 import torch
 
 from runtime.faults import REGISTER_SITES
+from runtime.int_tensors import bounds
 from runtime.mem_cache.mapping_record import Finding, MappingRecord, tensor_version
 from telemetry.events import KeyChangeEvent, LookupFacts, caller_stack, classify_lookup
 from telemetry.stats import TranslationStats
@@ -174,8 +175,8 @@ class Translator:
         if loc.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"location tensor must be int32 or int64, got {loc.dtype}")
         mapping = self.source.full_to_swa_index_mapping
-        if loc.device.type == "cpu" and loc.numel():  # range check is free on CPU, a sync on GPU
-            lo, hi = int(loc.min()), int(loc.max())
+        if loc.is_cpu and loc.numel():  # range check is free on CPU, a sync on GPU
+            lo, hi = bounds(loc)
             if lo < -1 or hi >= mapping.numel() - 1:
                 raise IndexError(f"full-pool location out of range: min {lo}, max {hi}, valid -1..{mapping.numel() - 2}")
 
