@@ -111,7 +111,7 @@ def failure() -> str | None:
 def for_tensor(x: torch.Tensor):
     """The kernels when an operation on `x` should take them (bfloat16 on the CPU, outside autograd and
     compilers, and built), else None."""
-    if x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled() or torch.compiler.is_compiling():
+    if x.dtype != torch.bfloat16 or not x.is_cpu or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     return load()
 

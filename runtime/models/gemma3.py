@@ -28,6 +28,7 @@ from runtime.layers.activation import gelu_and_mul
 from runtime.layers.attention import Attention
 from runtime.layers.decode_linear import DecodeLinear
 from runtime.layers.linear import Embedding, Linear
+from runtime.layers.module_call import call
 from runtime.layers.norm import RMSNorm, rms_norm_scaled
 from runtime.layers.quantized import Int8Embedding, Int8HeadEmbedding, Int8HeadLinear, Int8Linear
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
@@ -207,7 +208,7 @@ class Gemma3Model(nn.Module):
         h = h * self.embed_scale.to(h.dtype)
         angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D)
         for layer, r in zip(self.layers, self.layer_rope):
-            h = layer(h, *angles[r])
+            h = call(layer, h, *angles[r])
         return self.norm(h)  # (T, hidden)
 
 
