@@ -31,7 +31,7 @@ SMALL = 32  # up to this many elements, a list is the cheaper way to a tensor's 
 def bounds(t: torch.Tensor) -> tuple[int, int]:
     """(min, max) of a non-empty integer tensor on the CPU, as ints."""
     if t.numel() <= SMALL:
-        values = t.reshape(-1).tolist()
+        values = (t if t.dim() == 1 else t.reshape(-1)).tolist()
         return min(values), max(values)
     lo, hi = torch.aminmax(t)
     return int(lo), int(hi)

@@ -32,8 +32,8 @@ class RotaryEmbedding(nn.Module):
         # The first rows of the tables as `cos_sin` returns them (full width, sin's sign folded in), grown on
         # demand: a decode step then gathers two rows instead of running seven small operations (~13 -> ~5 us
         # per table), and memory holds full width only up to the positions served, not all P.
-        self.register_buffer("cos_wide", torch.empty(0, head_dim, dtype=torch.float32), persistent=False)
-        self.register_buffer("sin_wide", torch.empty(0, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("cos_wide", torch.empty(0, 1, head_dim, dtype=torch.float32), persistent=False)
+        self.register_buffer("sin_wide", torch.empty(0, 1, head_dim, dtype=torch.float32), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The angles of the tokens at `positions` (T,) as `apply_rotary` takes them, each (T, 1, D) float32:
@@ -44,7 +44,7 @@ class RotaryEmbedding(nn.Module):
                 cos_wide, sin_wide = self.cos_wide, self.sin_wide
                 if hi >= cos_wide.shape[0]:
                     cos_wide, sin_wide = self._widen(hi + 1)
-                return cos_wide[positions].unsqueeze(1), sin_wide[positions].unsqueeze(1)
+                return cos_wide[positions], sin_wide[positions]  # (T, 1, D)
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # (T, D/2)
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
 
@@ -52,7 +52,8 @@ class RotaryEmbedding(nn.Module):
         """Full-width tables of at least `rows` rows (doubling, so that growth is rare)."""
         rows = min(self.max_position, max(rows, 2 * self.cos_wide.shape[0], 1024))
         cos, sin = self.cos_cache[:rows], self.sin_cache[:rows]
-        self.cos_wide, self.sin_wide = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        self.cos_wide = torch.cat((cos, cos), -1).unsqueeze(1)  # (rows, 1, D): a gather gives cos_sin's shape
+        self.sin_wide = torch.cat((-sin, sin), -1).unsqueeze(1)
         return self.cos_wide, self.sin_wide
 
     def forward(
