@@ -29,7 +29,7 @@ SMALL = 32  # up to this many elements, a list is the cheaper way to a tensor's 
 
 
 def bounds(t: torch.Tensor) -> tuple[int, int]:
-    """(min, max) of a non-empty integer tensor on the CPU, as ints."""
+    """(min, max) of a non-empty integer tensor, as ints (of a device tensor: a sync, as `int(t.min())` was)."""
     if t.numel() <= SMALL:
         values = (t if t.dim() == 1 else t.reshape(-1)).tolist()
         return min(values), max(values)

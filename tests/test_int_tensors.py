@@ -28,6 +28,9 @@ def test_int32_empty_and_independent_arrays():
 def test_int_tensor_refuses_what_is_not_an_int_of_its_type(bad, error):
     with pytest.raises(error):
         int_tensor(bad)
+
+
+def test_an_int32_tensor_refuses_what_int32_cannot_hold():
     with pytest.raises(OverflowError):
         int_tensor([2**31], torch.int32)
 
