@@ -69,14 +69,31 @@ class AttentionBackend(ABC):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer) -> torch.Tensor:
         """q (T, H, D), k/v (T, Hkv, D) → (T, H, D). Writes k/v first: a token attends to itself."""
+        k_buf, v_buf, _, keys = self._write(layer, k, v)
+        return self.attend(q, k_buf, v_buf, keys, layer)
+
+    def attends_in_place(self, dtype: torch.dtype) -> bool:
+        """Whether this forward's attention, for rows of `dtype`, is what the fused decode stack
+        (`runtime/models/fused_decode.py`) computes itself: one query a request over its keys read in place
+        from the pool. Only the torch backend's decode says yes (`runtime/attention/torch_native.py`)."""
+        return False
+
+    def fused_decode_io(self, layer) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVIndexList]:
+        """For the fused decode stack, which writes and attends itself: the layer's KV buffers, the slots its new
+        k/v go to and the keys its queries read, after the translation and the sanitizer checks `forward` makes,
+        in its order (`set_kv_buffer` without k and v translates and checks a write it leaves to the caller)."""
+        return self._write(layer, None, None)
+
+    def _write(self, layer, k: torch.Tensor | None, v: torch.Tensor | None):
+        """k/v written (or only translated and checked, when None); (k_buf, v_buf, slots, keys) for the attention."""
         meta = self.meta
         sliding = layer.sliding_window is not None
-        self.pool.set_kv_buffer(layer.layer_id, self.batch.out_cache_loc, k, v,
-                                swa_loc=meta.swa_out_loc if sliding else None)
+        slots = self.pool.set_kv_buffer(layer.layer_id, self.batch.out_cache_loc, k, v,
+                                        swa_loc=meta.swa_out_loc if sliding else None)
         k_buf, v_buf = self.pool.get_kv_buffer(layer.layer_id)
         keys = meta.swa if sliding else meta.full
         self.pool.sanitizer.check_read(keys, sliding)
-        return self.attend(q, k_buf, v_buf, keys, layer)
+        return k_buf, v_buf, slots, keys
 
     @abstractmethod
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:

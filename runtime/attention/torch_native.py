@@ -54,6 +54,12 @@ class TorchNativeBackend(AttentionBackend):
         super().init_forward_metadata(batch)
         self._plans = {}
 
+    def attends_in_place(self, dtype: torch.dtype) -> bool:
+        """A decode forward whose rows and KV pool are in the kernels' dtype: `attend` would take
+        `decode_attention`, as the fused decode stack does."""
+        return (self.batch is not None and self.batch.is_decode and self.pool.full_pool.dtype == dtype
+                and self.pool.swa_pool.dtype == dtype and type(self).attend is TorchNativeBackend.attend)
+
     def attend(self, q, k_buf, v_buf, keys: KVIndexList, layer) -> torch.Tensor:
         decode = self.batch.is_decode
         fused = kernels.for_tensor(q) if k_buf.dtype == q.dtype else None

@@ -15,6 +15,8 @@ The sources, one job each:
   block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles;
 - `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
   (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
+- `decode_stack.cpp`: every decoder layer of a decode step in one call (`DecodeStack`: per layer `layer_pre`,
+  the KV write, decode attention, `layer_post`), at slots and keys the runtime translated and checked before;
 - `module.cpp`: the Python bindings.
 
 The kernels serve bfloat16 models only (`for_tensor`): float32 keeps the torch path, bit for bit the

@@ -6,6 +6,7 @@
 #include "argmax.h"
 #include "attention.h"
 #include "decode_layer.h"
+#include "decode_stack.h"
 #include "norms.h"
 #include "quant.h"
 
@@ -40,4 +41,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       });
   m.def("layer_pre", &swa::layer_pre, "a decoder layer before its attention: q, k, v");
   m.def("layer_post", &swa::layer_post, "a decoder layer after its attention: its output");
+  pybind11::class_<swa::StackLayer>(m, "StackLayer", pybind11::module_local(), "one decoder layer's fixed parts")
+      .def(pybind11::init([](Projection qkv, Projection o, Projection gate_up, Projection down, at::Tensor input_scale,
+                             at::Tensor post_attn_scale, at::Tensor pre_ff_scale, at::Tensor post_ff_scale,
+                             at::Tensor qk_scale, int64_t heads, int64_t kv_heads, int64_t rope, double eps,
+                             double scaling, double softcap, std::vector<at::Tensor> watched,
+                             std::vector<int64_t> versions) {
+             return swa::StackLayer{qkv, o, gate_up, down, input_scale, post_attn_scale, pre_ff_scale, post_ff_scale,
+                                    qk_scale, heads, kv_heads, rope, eps, scaling, softcap, watched, versions};
+           }),
+           pybind11::arg("qkv"), pybind11::arg("o"), pybind11::arg("gate_up"), pybind11::arg("down"),
+           pybind11::arg("input_scale"), pybind11::arg("post_attn_scale"), pybind11::arg("pre_ff_scale"),
+           pybind11::arg("post_ff_scale"), pybind11::arg("qk_scale"), pybind11::arg("heads"),
+           pybind11::arg("kv_heads"), pybind11::arg("rope"), pybind11::arg("eps"), pybind11::arg("scaling"),
+           pybind11::arg("softcap"), pybind11::arg("watched"), pybind11::arg("versions"));
+  pybind11::class_<swa::DecodeStack>(m, "DecodeStack", pybind11::module_local(), "a model's decoder layers in order")
+      .def(pybind11::init<std::vector<swa::StackLayer>>())
+      .def("run", &swa::DecodeStack::run, "the rows after every layer: per layer pre, KV write, attention, post")
+      .def("current", &swa::DecodeStack::current, "every watched tensor at the version and data it was made from")
+      .def("__len__", &swa::DecodeStack::size);
 }

@@ -13,9 +13,14 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether calling `module` would run a forward hook (its own or a global one), or record for autograd."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
+                or _module._global_forward_pre_hooks or torch.is_grad_enabled())
+
+
 def call(module: nn.Module, *args):
     """`module(*args)`, cheaper when no forward hook (the module's or a global one) is registered."""
-    if (module._forward_hooks or module._forward_pre_hooks or _module._global_forward_hooks
-            or _module._global_forward_pre_hooks or torch.is_grad_enabled()):
+    if hooked(module):
         return module(*args)
     return module.forward(*args)

@@ -62,19 +62,23 @@ class HybridKVPool:
         pool, local, _ = self._route[layer_id]
         return pool.get_kv(local)
 
-    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      swa_loc: torch.Tensor | None = None) -> None:
-        """Write k/v of the tokens at full-pool locations `loc`. A sliding layer translates `loc` unless the
-        backend already did (`swa_loc`, the per_forward policy)."""
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
+                      swa_loc: torch.Tensor | None = None) -> torch.Tensor:
+        """Write k/v of the tokens at full-pool locations `loc`; returns the slots of the layer's pool written. A
+        sliding layer translates `loc` unless the backend already did (`swa_loc`, the per_forward policy). With
+        k and v None nothing is written: the translation and the sanitizer's write check run as for a write, and
+        the caller writes the slots returned itself, in the same forward (the fused decode stack)."""
         pool, local, is_swa = self._route[layer_id]
         if is_swa:
             if swa_loc is None:
                 swa_loc = self.translator.translate(loc, "kv_write", local)
-            self.sanitizer.check_write(loc, swa_loc)
-            pool.set_kv(local, swa_loc, k, v)
+            loc_written = swa_loc
         else:
-            self.sanitizer.check_write(loc, None)
-            pool.set_kv(local, loc, k, v)
+            loc_written = loc
+        self.sanitizer.check_write(loc, swa_loc if is_swa else None)
+        if k is not None:
+            pool.set_kv(local, loc_written, k, v)
+        return loc_written
 
     # ---- translation -------------------------------------------------------------------------------------
     def translate_loc_from_full_to_swa(self, loc: torch.Tensor, site: str = "kv_write", layer_pos: int = 0) -> torch.Tensor:

@@ -8,14 +8,27 @@ up and check (half a millisecond a step). `FusedPlan` holds them, and is used on
 the layer: the same copy objects on the projections (a `load_state_dict` makes new ones), and the same norm
 weight objects at the versions they were read at (an in-place edit bumps the version): a stale plan, like a
 stale location, must never be used, so every call checks it (~2 us).
+
+Even two calls a layer left the interpreter about 55 us a layer in a real step (the weights the kernels stream
+sweep the caches its frames live in): a millisecond of a batch-1 step. `stack_forward` runs every layer in one
+call (`DecodeStack`: per layer `layer_pre`, the KV write, decode attention, `layer_post`, the same kernels in the
+same order as the per-layer path, so the same values bit for bit). The runtime's part of each layer's attention
+call, the location translation and the KV sanitizer's checks, runs before it, layer by layer in the per-layer
+path's order, through the same methods (`AttentionBackend.fused_decode_io`, `HybridKVPool.set_kv_buffer`), and
+hands the slots and keys in. It serves when everything the per-layer path would do is in it: every layer has a
+plan, nothing is hooked on a layer or its attention (diagnose's mid-forward remap hooks one: between two
+layers), and the backend's attention is the torch backend's in-place decode.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn.modules import module as _module
 
 from runtime import kernels
-from runtime.layers.module_call import call
+from runtime.context import get_forward_context
+from runtime.layers.decode_linear import DecodeLinear
+from runtime.layers.module_call import call, hooked
 
 # Rows up to which a decoder layer runs through the fused kernels: the low-bit kernels' limit, so that every
 # projection takes its copy as `DecodeLinear` would.
@@ -71,3 +84,85 @@ def fused_forward(layer, plan: FusedPlan, h: torch.Tensor, cos: torch.Tensor, si
     q, k, v = fused.layer_pre(h, plan.scales[0], qkv, plan.qk_scale, plan.heads, plan.kv_heads, cos, sin, plan.eps)
     attn = call(plan.attention, q, k, v).contiguous()
     return fused.layer_post(h, attn, o, plan.scales[1], plan.scales[2], gate_up, down, plan.scales[3], plan.eps)
+
+
+# Parameters, buffers and submodules (re)bound on any module since start-up (torch's global registration hooks):
+# a rebinding in a layer makes its plan stale, and counting them all spares a stack the look at 180 attributes.
+_rebinds = 0
+
+
+def _count_rebind(*args) -> None:
+    global _rebinds
+    _rebinds += 1
+
+
+_module.register_module_parameter_registration_hook(_count_rebind)
+_module.register_module_buffer_registration_hook(_count_rebind)
+_module.register_module_module_registration_hook(_count_rebind)
+
+
+class FusedStack:
+    """The layers' plans as one `DecodeStack`, used while it still describes the model. Checking each layer's
+    plan (`FusedPlan.describes`) costs ~0.2 ms at the start of a real step, with caches the weights swept: here
+    the same facts are read from counters (a projection's copy set, something rebound on a module), the hook
+    tables and, in C++, the norm weights' versions."""
+
+    def __init__(self, layers, plans: list[FusedPlan], rope: list[int]) -> None:
+        self.copies_set, self.rebinds = DecodeLinear.copies_set, _rebinds
+        self.plans = plans
+        self.attentions = [plan.attention for plan in plans]
+        # the tables `call` looks in: a hook on a layer or its attention runs between layers (the per-layer path)
+        self.hook_tables = [table for layer, plan in zip(layers, plans) for m in (layer, plan.attention)
+                            for table in (m._forward_hooks, m._forward_pre_hooks)]
+        fused = kernels.load()
+        stack = []
+        for plan, table in zip(plans, rope):
+            qkv, o, gate_up, down = plan.projections
+            attn = plan.attention
+            stack.append(fused.StackLayer(qkv, o, gate_up, down, *plan.scales, plan.qk_scale, plan.heads,
+                                          plan.kv_heads, table, plan.eps, attn.scaling, attn.logit_softcapping or 0.0,
+                                          [w for _, w, _ in plan.norms], [v for _, _, v in plan.norms]))
+        self.stack = fused.DecodeStack(stack)
+
+    def describes(self, layers) -> bool:
+        """Whether every layer's plan still describes it (`FusedPlan.describes`) and nothing is hooked."""
+        if (self.copies_set != DecodeLinear.copies_set or self.rebinds != _rebinds or len(layers) != len(self.plans)
+                or _module._global_forward_hooks or _module._global_forward_pre_hooks or any(self.hook_tables)):
+            return False
+        return self.stack.current()
+
+
+def stack_for(model, h: torch.Tensor) -> FusedStack | None:
+    """`model`'s (a `Gemma3Model`) stack when this forward can run its layers in one call: every layer with a
+    plan (`plan_for`), none hooked, the backend attending in place at h's dtype; else None (the per-layer path)."""
+    if h.shape[0] > FUSED_MAX_ROWS or kernels.for_tensor(h) is None:
+        return None
+    backend = get_forward_context().attn_backend
+    if backend is None or not backend.attends_in_place(h.dtype):
+        return None
+    layers = model.layers
+    stack = model._fused_stack
+    if stack is not None and stack.describes(layers):
+        return stack
+    plans = []
+    for layer in layers:
+        plan = plan_for(layer, h)
+        if plan is None or hooked(layer) or hooked(plan.attention):
+            return None
+        plans.append(plan)
+    stack = model._fused_stack = FusedStack(layers, plans, model.layer_rope)
+    return stack
+
+
+def stack_forward(stack: FusedStack, h: torch.Tensor, angles: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """h (T, hidden) after every layer: each layer's translation and sanitizer checks in order, then the math."""
+    backend = get_forward_context().attn_backend
+    k_bufs, v_bufs, slots, indices, indptrs = [], [], [], [], []
+    for attention in stack.attentions:
+        k_buf, v_buf, loc, keys = backend.fused_decode_io(attention)
+        k_bufs.append(k_buf)
+        v_bufs.append(v_buf)
+        slots.append(loc)
+        indices.append(keys.indices)
+        indptrs.append(keys.indptr)
+    return stack.stack.run(h, [c for c, _ in angles], [s for _, s in angles], k_bufs, v_bufs, slots, indices, indptrs)

@@ -33,7 +33,7 @@ from runtime.layers.norm import RMSNorm, rms_norm_scaled
 from runtime.layers.quantized import Int8Embedding, Int8HeadEmbedding, Int8HeadLinear, Int8Linear
 from runtime.layers.rotary import RotaryEmbedding, apply_rotary
 from runtime.models.config import Gemma3Config
-from runtime.models.fused_decode import FusedPlan, fused_forward, plan_for
+from runtime.models.fused_decode import FusedPlan, FusedStack, fused_forward, plan_for, stack_for, stack_forward
 
 
 class WeightFormat(NamedTuple):
@@ -202,11 +202,15 @@ class Gemma3Model(nn.Module):
         # layer i rotates with self.rotary[self.layer_rope[i]]
         self.layer_rope = [list(ropes.values()).index(layer.self_attn.rotary) for layer in self.layers]
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._fused_stack: FusedStack | None = None  # `runtime/models/fused_decode.py`
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (T,), (T,)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         h = h * self.embed_scale.to(h.dtype)
         angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D)
+        stack = stack_for(self, h)
+        if stack is not None:  # decode's few rows: every layer in one call (`runtime/models/fused_decode.py`)
+            return self.norm(stack_forward(stack, h, angles))
         for layer, r in zip(self.layers, self.layer_rope):
             h = call(layer, h, *angles[r])
         return self.norm(h)  # (T, hidden)

@@ -1,7 +1,8 @@
 """The fused decoder layer (`runtime/kernels`: `layer_pre` and `layer_post` around the runtime's attention call)
 inside the engine: a bfloat16 `int8-head` model generates, request for request, what the same model generates
 through its per-operation path, with the attention call between the two halves still writing through the
-location translation and the KV sanitizer."""
+location translation and the KV sanitizer; and all layers in one call (`DecodeStack`), which gives the per-layer
+path's values bit for bit after the same lookups and checks."""
 
 import pytest
 import torch
@@ -10,7 +11,8 @@ from runtime import kernels
 from runtime.config import EngineConfig
 from runtime.core import SamplingParams
 from runtime.engine import Engine
-from runtime.models import fused_decode
+from runtime.models import fused_decode, gemma3
+from runtime.mem_cache.swa_pool import HybridKVPool
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 from runtime.models.tokenizer import ByteTokenizer
@@ -43,10 +45,10 @@ def test_fused_layers_generate_what_the_per_operation_path_does(fused_kernels, m
     model = build_model(CONFIG, STATE, torch.bfloat16, quantization="int8-head")
     assert all(fused_decode.FusedPlan(layer).projections is not None for layer in model.model.layers)  # every projection has its copy
     calls = []
-    layer_pre = fused_kernels.layer_pre
-    monkeypatch.setattr(fused_kernels, "layer_pre", lambda h, *a: calls.append(h.shape[0]) or layer_pre(h, *a))
-    # four requests at a time decode through the fused layers; ten at a time (more rows than the kernels
-    # take) through the per-operation path in the same run
+    stack_forward = gemma3.stack_forward
+    monkeypatch.setattr(gemma3, "stack_forward", lambda stack, h, *a: calls.append(h.shape[0]) or stack_forward(stack, h, *a))
+    # four requests at a time decode through the fused layers (all of them in one call); ten at a time (more
+    # rows than the kernels take) through the per-operation path in the same run
     fused = [generate(model, PROMPTS[:4]), generate(model, PROMPTS)]
     assert 4 in calls and set(calls) <= set(range(1, 9))  # (8: the graph capture of batch size 8)
     monkeypatch.setattr(fused_decode, "FUSED_MAX_ROWS", 0)
@@ -79,3 +81,74 @@ def test_a_layers_plan_is_remade_when_what_it_holds_changes(fused_kernels):
     assert reloaded is not edited and reloaded.projections[0] is layer.self_attn.qkv_proj.decode.projection
     layer.mlp.down_proj.decode = None  # a projection without a copy: the per-operation path
     assert fused_decode.plan_for(layer, h) is None
+
+
+def counters(engine: Engine) -> dict:
+    """What the translation and the KV sanitizer counted: lookups by path, misses by reason, events, gathers."""
+    t = engine.stats.translation
+    return {"hits": dict(t.hit_counts), "misses": dict(t.miss_counts), "events": dict(t.key_change_counts),
+            "gathers": t.translation_count}
+
+
+def generate_per_layer(model, prompts):
+    """`generate` with a forward hook on the last layer, which runs between layers: the stack stands aside."""
+    handle = model.model.layers[-1].register_forward_hook(lambda module, args, out: None)
+    try:
+        return generate(model, prompts)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("patched_write", [False, True])
+def test_the_stack_gives_the_per_layer_values_after_the_same_lookups_and_checks(fused_kernels, monkeypatch, patched_write):
+    model = build_model(CONFIG, STATE, torch.bfloat16, quantization="int8-head")
+    if patched_write:  # a write path that translates a copy of the location on each sliding layer: events
+        original = HybridKVPool.set_kv_buffer
+        monkeypatch.setattr(HybridKVPool, "set_kv_buffer",
+                            lambda self, layer_id, loc, k, v, swa_loc=None: original(self, layer_id, loc.clone(), k, v, swa_loc))
+    calls = []
+    stack_forward = gemma3.stack_forward
+    monkeypatch.setattr(gemma3, "stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
+    tokens, logits, engine = generate(model, PROMPTS[:4])
+    stacked = len(calls)
+    ref_tokens, ref_logits, ref_engine = generate_per_layer(model, PROMPTS[:4])
+    assert stacked > 0 and len(calls) == stacked  # the hook kept every forward of the second run off the stack
+    assert tokens == ref_tokens
+    assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    got, ref = counters(engine), counters(ref_engine)
+    if not patched_write:
+        assert got == ref
+        assert not any(got["events"].values())
+        return
+    # The patched path's temporaries: each lookup misses; whether a temporary took the address of the one before
+    # (stale_loc) or not (benign_fresh_tensor) follows the allocator, which the stack's fewer tensors change.
+    # The lookups and events are the same in number, mode by mode.
+    def per_mode(c):
+        lookups = {mode: n + sum(m for (p, _), m in c["misses"].items() if p == mode) for mode, n in c["hits"].items()}
+        return lookups, sum(c["events"].values()), c["gathers"]
+    assert per_mode(got) == per_mode(ref)
+    assert sum(got["events"].values()) > 0 and got["gathers"] > 0
+
+
+@torch.no_grad()
+def test_the_stack_is_remade_when_a_layer_changes_or_is_hooked(fused_kernels):
+    model = build_model(CONFIG, STATE, torch.bfloat16, quantization="int8-head")
+    layers = model.model.layers
+    plans = [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16()) for layer in layers]
+    stack = fused_decode.FusedStack(layers, plans, model.model.layer_rope)
+    assert stack.describes(layers)
+    layers[1].post_feedforward_layernorm.weight.add_(0.25)  # in place: its multiplier is stale
+    assert not stack.describes(layers)
+    stack = fused_decode.FusedStack(layers, [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16())
+                                             for layer in layers], model.model.layer_rope)
+    assert stack.describes(layers)
+    handle = layers[0].self_attn.attn.register_forward_pre_hook(lambda module, args: None)
+    assert not stack.describes(layers)
+    handle.remove()
+    assert stack.describes(layers)
+    layers[2].mlp.down_proj.decode = layers[2].mlp.down_proj.decode  # a copy set, even the same one
+    assert not stack.describes(layers)
+    stack = fused_decode.FusedStack(layers, [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16())
+                                             for layer in layers], model.model.layer_rope)
+    layers[3].input_layernorm.weight = torch.nn.Parameter(layers[3].input_layernorm.weight.clone())  # rebound
+    assert not stack.describes(layers)
