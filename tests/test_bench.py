@@ -156,8 +156,10 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
         requests = max(c, 2)
         assert w["tokens"] == requests * 5 and w["seconds"] > 0
         if system != "offline engine":
-            # byte-level tiny tokens: a chunk may hold back a partial character, so not one chunk per token
-            assert len(w["ttft"]) == requests and requests <= len(w["itl"]) <= requests * 4 + requests
+            # byte-level tiny tokens: a chunk may hold back a partial character, and tokens that reach the front
+            # end together (a loaded machine) go out in one chunk, so not one chunk per token (once, CI saw one
+            # request's five tokens in a single chunk)
+            assert len(w["ttft"]) == requests and 1 <= len(w["itl"]) <= requests * 4 + requests
     out = capsys.readouterr().out
     assert "the server at c=1 vs the offline engine" in out and "failed" not in out
     ratios = {c: rows[("swa-runtime serve", c)]["tok_s"] / rows[("peer tiny", c)]["tok_s"] for c in (1, 3)}

@@ -20,15 +20,20 @@ namespace {
 
 void check_rows(const at::Tensor& x, const char* what) {
   check_float_or_bf16(x, what);
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows, what, " must be (T, width) with T in 1..8");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, what, " must be (T, width) with T >= 1");
 }
 
-// y (rows, N) in T = p(x) for x (rows, K) in T.
+// y (rows, N) in T = p(x) for x (rows, K) in T: streamed up to kMaxRows rows, in tiles beyond, as
+// `Projection::matmul` chooses (a batch of decode rows past eight gives the per-operation path's values).
 template <typename T>
 void project(const Projection& p, const T* x, int64_t rows, T* y) {
   thread_local QuantizedRows xq;
   xq.quantize(x, rows, p.in_features());
-  p.run(xq, y);
+  if (rows <= kMaxRows) {
+    p.run(xq, y);
+  } else {
+    p.run_tiled(xq, y);
+  }
 }
 
 }  // namespace

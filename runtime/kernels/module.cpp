@@ -28,7 +28,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                   "int8 (N, K) and float32 scales (N,) or (N, K/32): W = q * scale per row or per block of 32")
       .def_static("int4", &Projection::int4, "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q")
       .def("matmul", &Projection::matmul, pybind11::arg("x"), pybind11::arg("float_out") = false,
-           "x (M, K), M in 1..8, times the weight's transpose: (M, N) in x's dtype, or float32")
+           "x (M, K) times the weight's transpose, up to 8 rows streamed, more in tiles: (M, N) in x's dtype, or float32")
       .def_property_readonly("out_features", &Projection::out_features)
       .def_property_readonly("in_features", &Projection::in_features)
       .def_property_readonly("nbytes", &Projection::nbytes)

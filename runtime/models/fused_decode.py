@@ -30,9 +30,10 @@ from runtime.context import get_forward_context
 from runtime.layers.decode_linear import DecodeLinear
 from runtime.layers.module_call import call, hooked
 
-# Rows up to which a decoder layer runs through the fused kernels: the low-bit kernels' limit, so that every
-# projection takes its copy as `DecodeLinear` would.
-FUSED_MAX_ROWS = 8
+# Rows up to which a decoder layer runs through the fused kernels: decode batches (one row a request) up to 64,
+# and extends as short. Past eight rows the projections run in tiles, as their copies do on the per-operation
+# path; a layer whose copies take fewer rows (with AMX, oneDNN serves more than eight) keeps that path.
+FUSED_MAX_ROWS = 64
 
 
 class FusedPlan:
@@ -46,6 +47,7 @@ class FusedPlan:
         self.copies = tuple(getattr(m, "decode", None) for m in self.linears)
         projections = tuple(getattr(c, "projection", None) for c in self.copies)
         self.projections = None if any(p is None for p in projections) else projections
+        self.max_rows = min((c.max_rows for c in self.copies if c is not None), default=0)  # what every copy takes
         norms = (layer.input_layernorm, layer.post_attention_layernorm, layer.pre_feedforward_layernorm,
                  layer.post_feedforward_layernorm, attn.q_norm, attn.k_norm)
         self.norms = tuple((n, n._parameters["weight"], n._parameters["weight"]._version) for n in norms)
@@ -73,7 +75,7 @@ def plan_for(layer, h: torch.Tensor) -> FusedPlan | None:
     plan = layer._fused_plan
     if plan is None or not plan.describes():
         plan = layer._fused_plan = FusedPlan(layer)
-    return plan if plan.projections is not None else None
+    return plan if plan.projections is not None and h.shape[0] <= plan.max_rows else None
 
 
 def fused_forward(layer, plan: FusedPlan, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -110,6 +112,7 @@ class FusedStack:
     def __init__(self, layers, plans: list[FusedPlan], rope: list[int]) -> None:
         self.copies_set, self.rebinds = DecodeLinear.copies_set, _rebinds
         self.plans = plans
+        self.max_rows = min(plan.max_rows for plan in plans)
         self.attentions = [plan.attention for plan in plans]
         # the tables `call` looks in: a hook on a layer or its attention runs between layers (the per-layer path)
         self.hook_tables = [table for layer, plan in zip(layers, plans) for m in (layer, plan.attention)
@@ -138,12 +141,13 @@ def stack_for(model, h: torch.Tensor) -> FusedStack | None:
     if h.shape[0] > FUSED_MAX_ROWS or kernels.for_tensor(h) is None:
         return None
     backend = get_forward_context().attn_backend
-    if backend is None or not backend.attends_in_place(h.dtype):
+    in_place = getattr(backend, "attends_in_place", None)  # a backend held to the contract alone has none
+    if in_place is None or not in_place(h.dtype):
         return None
     layers = model.layers
     stack = model._fused_stack
     if stack is not None and stack.describes(layers):
-        return stack
+        return stack if h.shape[0] <= stack.max_rows else None
     plans = []
     for layer in layers:
         plan = plan_for(layer, h)
