@@ -110,11 +110,12 @@ def test_the_stack_gives_the_per_layer_values_after_the_same_lookups_and_checks(
                             lambda self, layer_id, loc, k, v, swa_loc=None: original(self, layer_id, loc.clone(), k, v, swa_loc))
     calls = []
     stack_forward = gemma3.stack_forward
-    monkeypatch.setattr(gemma3, "stack_forward", lambda *a: calls.append(1) or stack_forward(*a))
-    tokens, logits, engine = generate(model, PROMPTS[:4])
+    monkeypatch.setattr(gemma3, "stack_forward", lambda stack, h, *a: calls.append(h.shape[0]) or stack_forward(stack, h, *a))
+    tokens, logits, engine = generate(model, PROMPTS)  # up to ten rows: streamed, and in tiles past eight
     stacked = len(calls)
-    ref_tokens, ref_logits, ref_engine = generate_per_layer(model, PROMPTS[:4])
-    assert stacked > 0 and len(calls) == stacked  # the hook kept every forward of the second run off the stack
+    ref_tokens, ref_logits, ref_engine = generate_per_layer(model, PROMPTS)
+    assert max(calls) > 8 and 1 in calls  # tiled and streamed projections both ran on the stack
+    assert len(calls) == stacked  # the hook kept every forward of the second run off the stack
     assert tokens == ref_tokens
     assert all(torch.equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     got, ref = counters(engine), counters(ref_engine)
