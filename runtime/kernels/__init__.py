@@ -17,6 +17,7 @@ The sources, one job each:
   (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
 - `decode_stack.cpp`: every decoder layer of a decode step in one call (`DecodeStack`: per layer `layer_pre`,
   the KV write, decode attention, `layer_post`), at slots and keys the runtime translated and checked before;
+- `ledger.cpp`: the KV sanitizer's write check in one call, for its common outcome (everything in order);
 - `module.cpp`: the Python bindings.
 
 The kernels serve bfloat16 models only (`for_tensor`): float32 keeps the torch path, bit for bit the

@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "decode_layer.h"
 #include "decode_stack.h"
+#include "ledger.h"
 #include "norms.h"
 #include "quant.h"
 
@@ -19,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("extend_attention", &swa::extend_attention, "the new tokens of an extend over the keys each one sees");
   m.def("row_argmax", &swa::row_argmax, "each row's largest value and the first index of it (NaN if any)");
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
+  m.def("writes_owned", &swa::writes_owned, "whether a forward's KV writes are in order against the ownership ledger");
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
   // module_local: two builds of these kernels in one process (a benchmark holding an older one) must not clash over

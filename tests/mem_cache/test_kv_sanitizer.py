@@ -21,11 +21,13 @@ from kv_slips import (  # tests/ is on sys.path
     verify_padding_not_reset,
     window_released_one_token_early,
 )
+from runtime import kernels
 from runtime.attention.base import AttentionBackend
 from runtime.config import EngineConfig
 from runtime.context import get_forward_context
 from runtime.core import Req, SamplingParams
 from runtime.engine import Engine
+from runtime.mem_cache import sanitizer
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 from runtime.models.tokenizer import ByteTokenizer
@@ -76,6 +78,17 @@ class Spy:
         monkeypatch.setattr(AttentionBackend, "init_forward_metadata", init_forward_metadata)
 
 
+@pytest.fixture(params=["torch", "fused"])
+def write_check(request, monkeypatch):
+    """The sanitizer's write check both ways: the torch checks alone, or first the fused kernels' one-call check
+    (`writes_owned`, which must leave every slip to them)."""
+    if request.param == "torch":
+        monkeypatch.setattr(sanitizer.kernels, "loaded", lambda: None)
+    else:
+        assert kernels.load() is not None, f"the fused CPU kernels did not build: {kernels.failure()}"
+    return request.param
+
+
 def real_entries(batch):
     return [b for b, row in enumerate(batch.req_rows) if row != 0]
 
@@ -92,7 +105,7 @@ def padded_entry_writes_a_live_slot(engine, batch, meta):
     return any(int(batch.out_cache_loc[b]) != 0 for b, row in enumerate(batch.req_rows) if row == 0)
 
 
-def test_graph_padding_not_reset_is_a_foreign_write_in_the_first_replay_that_pads(monkeypatch):
+def test_graph_padding_not_reset_is_a_foreign_write_in_the_first_replay_that_pads(monkeypatch, write_check):
     padding_not_reset(monkeypatch)
     spy = Spy(monkeypatch, padded_entry_writes_a_live_slot)
     e = spy.engine = engine(disable_prefix_caching=True)
@@ -111,7 +124,7 @@ def padded_verify_token_writes_a_live_slot(engine, batch, meta):
     return batch.verify and bool((batch.out_cache_loc[rows == 0] != 0).any())
 
 
-def test_verify_padding_not_reset_is_a_foreign_write_in_the_first_verify_replay_that_pads(monkeypatch):
+def test_verify_padding_not_reset_is_a_foreign_write_in_the_first_verify_replay_that_pads(monkeypatch, write_check):
     """A verify replay packs each request's last token and draft, then pads the tail of its (batch size, K)
     buffers: a tail left from a longer verify writes the slots that verify's tokens were given."""
     verify_padding_not_reset(monkeypatch)
@@ -267,7 +280,7 @@ def test_evicting_a_locked_prefix_node_is_a_bad_read_naming_the_eviction(monkeyp
 
 
 # ---- 4. a translation cached outside the translator ------------------------------------------------------------
-def test_a_backend_caching_its_swa_write_location_by_address_is_a_foreign_write(monkeypatch):
+def test_a_backend_caching_its_swa_write_location_by_address_is_a_foreign_write(monkeypatch, write_check):
     backend_caches_swa_write_loc_by_address(monkeypatch)
 
     def stale_write_loc(engine, batch, meta):
