@@ -10,9 +10,10 @@ using namespace attention;
 
 namespace {
 
+// q_stride: values from one request's query heads to the next's (H * D where contiguous).
 template <typename T>
-void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int32_t* indptr, T* out, int64_t B,
-            const Shape& s) {
+void attend(const T* q, int64_t q_stride, const T* kb, const T* vb, const int32_t* idx, const int32_t* indptr, T* out,
+            int64_t B, const Shape& s) {
   const int64_t G = s.G, D = s.D, H = s.H, Hkv = s.Hkv;
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = B * Hkv;
@@ -29,7 +30,7 @@ void attend(const T* q, const T* kb, const T* vb, const int32_t* idx, const int3
       const int64_t per = (n + chunks - 1) / chunks;
       const int64_t j0 = std::min(n, ci * per), j1 = std::min(n, j0 + per);
       const float pre = s.softcap > 0.f ? 1.f : s.scaling;  // without soft-capping the scaling rides on q
-      scaled_rows(q + (b * H + kh * G) * D, G * D, pre, qf.data());
+      scaled_rows(q + b * q_stride + kh * G * D, G * D, pre, qf.data());
       p.resize(G * std::max<int64_t>(j1 - j0, 1));
       routine(qf.data(), kb, vb, Chunk{idx + first + j0, j1 - j0, kh, true}, s, p.data(), m.data() + it * G,
               l.data() + it * G, acc.data() + it * G * D);
@@ -82,11 +83,25 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
   const Shape s{H, Hkv, H / Hkv, D, S, static_cast<float>(scaling), static_cast<float>(softcap)};
   with_float_type(q.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
-    attend<T>(data_of<T>(q), data_of<T>(k_buf), data_of<T>(v_buf), indices.data_ptr<int32_t>(), ip,
+    attend<T>(data_of<T>(q), H * D, data_of<T>(k_buf), data_of<T>(v_buf), indices.data_ptr<int32_t>(), ip,
               mutable_data_of<T>(out), B, s);
   });
   return out;
 }
+
+template <typename T>
+void decode_attention_rows(const T* q, int64_t q_stride, const T* k_buf, const T* v_buf, const int32_t* indices,
+                           const int32_t* indptr, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                           float scaling, float softcap) {
+  attend<T>(q, q_stride, k_buf, v_buf, indices, indptr, out, B, Shape{H, Hkv, H / Hkv, D, S, scaling, softcap});
+}
+
+template void decode_attention_rows<float>(const float*, int64_t, const float*, const float*, const int32_t*,
+                                           const int32_t*, float*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                           float);
+template void decode_attention_rows<bf16>(const bf16*, int64_t, const bf16*, const bf16*, const int32_t*,
+                                          const int32_t*, bf16*, int64_t, int64_t, int64_t, int64_t, int64_t, float,
+                                          float);
 
 void write_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(k_buf.dim() == 3 && k_buf.is_contiguous() && v_buf.is_contiguous() && v_buf.sizes() == k_buf.sizes(),

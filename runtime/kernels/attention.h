@@ -20,6 +20,13 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
 
 // k_buf[loc[t]] = k[t] and v_buf[loc[t]] = v[t] for each token t (loc int64 or int32): k, v (T, Hkv, D) rows of
 // any stride.
+// decode_attention on rows in memory, unchecked but for the key slots (the decode stack's own buffers): q (B, H, D)
+// with q_stride values from one request's heads to the next's, out (B, H, D), the pools (S, Hkv, D).
+template <typename T>
+void decode_attention_rows(const T* q, int64_t q_stride, const T* k_buf, const T* v_buf, const int32_t* indices,
+                           const int32_t* indptr, T* out, int64_t B, int64_t H, int64_t Hkv, int64_t D, int64_t S,
+                           float scaling, float softcap);
+
 void write_kv(at::Tensor& k_buf, at::Tensor& v_buf, const at::Tensor& loc, const at::Tensor& k, const at::Tensor& v);
 
 }  // namespace swa

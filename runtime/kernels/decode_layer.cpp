@@ -36,7 +36,53 @@ void project(const Projection& p, const T* x, int64_t rows, T* y) {
   }
 }
 
+// A thread's scratch rows of T, grown as needed and kept (a decode step would otherwise allocate a few a layer).
+template <typename F, int kSlot>
+F* scratch(int64_t n) {
+  thread_local std::vector<F> rows;
+  if (static_cast<int64_t>(rows.size()) < n) rows.resize(n);
+  return rows.data();
+}
+
 }  // namespace
+
+template <typename F>
+void pre_rows(const F* h, int64_t T, int64_t hidden, const float* norm_scale, const Projection& qkv,
+              const float* qk_scale, int64_t heads, int64_t kv_heads, int64_t D, const float* cos, const float* sin,
+              float eps, F* projected, F* qk) {
+  F* x = scratch<F, 0>(T * hidden);
+  rms_rows<F>(h, norm_scale, 1, nullptr, x, T, hidden, eps);
+  project<F>(qkv, x, T, projected);
+  qk_rows<F>(projected, qkv.out_features(), qk_scale, cos, sin, qk, T, heads + kv_heads, D, eps);
+}
+
+template <typename F>
+void post_rows(const F* h, const F* attn, int64_t T, int64_t hidden, const Projection& o, const float* post_attn_scale,
+               const float* pre_ff_scale, const Projection& gate_up, const Projection& down,
+               const float* post_ff_scale, float eps, F* out) {
+  const int64_t I = down.in_features();
+  F* mid = scratch<F, 5>(T * hidden);  // h + norm(o)
+  F* y = scratch<F, 1>(T * hidden);
+  F* x = scratch<F, 2>(T * hidden);
+  F* gu = scratch<F, 3>(T * 2 * I);
+  F* a = scratch<F, 4>(T * I);
+  project<F>(o, attn, T, y);
+  rms_rows<F>(y, post_attn_scale, 1, h, mid, T, hidden, eps);
+  rms_rows<F>(mid, pre_ff_scale, 1, nullptr, x, T, hidden, eps);
+  project<F>(gate_up, x, T, gu);
+  gelu_and_mul_rows<F>(gu, a, T, I);
+  project<F>(down, a, T, y);
+  rms_rows<F>(y, post_ff_scale, 1, mid, out, T, hidden, eps);
+}
+
+template void pre_rows<float>(const float*, int64_t, int64_t, const float*, const Projection&, const float*, int64_t,
+                              int64_t, int64_t, const float*, const float*, float, float*, float*);
+template void pre_rows<bf16>(const bf16*, int64_t, int64_t, const float*, const Projection&, const float*, int64_t,
+                             int64_t, int64_t, const float*, const float*, float, bf16*, bf16*);
+template void post_rows<float>(const float*, const float*, int64_t, int64_t, const Projection&, const float*,
+                               const float*, const Projection&, const Projection&, const float*, float, float*);
+template void post_rows<bf16>(const bf16*, const bf16*, int64_t, int64_t, const Projection&, const float*, const float*,
+                              const Projection&, const Projection&, const float*, float, bf16*);
 
 std::vector<at::Tensor> layer_pre(const at::Tensor& h, const at::Tensor& norm_scale, const Projection& qkv,
                                   const at::Tensor& qk_scale, int64_t heads, int64_t kv_heads, const at::Tensor& cos,
@@ -55,11 +101,9 @@ std::vector<at::Tensor> layer_pre(const at::Tensor& h, const at::Tensor& norm_sc
   auto qk = at::empty({T, heads + kv_heads, D}, h.options());
   with_float_type(h.scalar_type(), [&](auto tag) {
     using F = decltype(tag);
-    std::vector<F> x(T * hidden);
-    rms_rows<F>(data_of<F>(h), norm_scale.data_ptr<float>(), 1, nullptr, x.data(), T, hidden, static_cast<float>(eps));
-    project<F>(qkv, x.data(), T, mutable_data_of<F>(projected));
-    qk_rows<F>(data_of<F>(projected), width, qk_scale.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
-               mutable_data_of<F>(qk), T, heads + kv_heads, D, static_cast<float>(eps));
+    pre_rows<F>(data_of<F>(h), T, hidden, norm_scale.data_ptr<float>(), qkv, qk_scale.data_ptr<float>(), heads,
+                kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), static_cast<float>(eps),
+                mutable_data_of<F>(projected), mutable_data_of<F>(qk));
   });
   return {qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads),
           projected.narrow(1, (heads + kv_heads) * D, kv_heads * D).view({T, kv_heads, D})};
@@ -77,20 +121,12 @@ at::Tensor layer_post(const at::Tensor& h, const at::Tensor& attn, const Project
               "the projections' shapes do not chain: o ", o.in_features(), "->", o.out_features(), ", gate_up ",
               gate_up.in_features(), "->", gate_up.out_features(), ", down ", I, "->", down.out_features());
   for (const auto* s : {&post_attn_scale, &pre_ff_scale, &post_ff_scale}) check_scale(*s, hidden, "a norm scale");
-  auto mid = at::empty({T, hidden}, h.options());
   auto out = at::empty({T, hidden}, h.options());
   with_float_type(h.scalar_type(), [&](auto tag) {
     using F = decltype(tag);
-    const float e = static_cast<float>(eps);
-    std::vector<F> y(T * hidden), x(T * hidden), gu(T * 2 * I), a(T * I);
-    project<F>(o, data_of<F>(attn), T, y.data());
-    F* h1 = mutable_data_of<F>(mid);
-    rms_rows<F>(y.data(), post_attn_scale.data_ptr<float>(), 1, data_of<F>(h), h1, T, hidden, e);  // h + norm(o)
-    rms_rows<F>(h1, pre_ff_scale.data_ptr<float>(), 1, nullptr, x.data(), T, hidden, e);
-    project<F>(gate_up, x.data(), T, gu.data());
-    gelu_and_mul_rows<F>(gu.data(), a.data(), T, I);
-    project<F>(down, a.data(), T, y.data());
-    rms_rows<F>(y.data(), post_ff_scale.data_ptr<float>(), 1, h1, mutable_data_of<F>(out), T, hidden, e);
+    post_rows<F>(data_of<F>(h), data_of<F>(attn), T, hidden, o, post_attn_scale.data_ptr<float>(),
+                 pre_ff_scale.data_ptr<float>(), gate_up, down, post_ff_scale.data_ptr<float>(), static_cast<float>(eps),
+                 mutable_data_of<F>(out));
   });
   return out;
 }

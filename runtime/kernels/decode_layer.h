@@ -20,4 +20,17 @@ at::Tensor layer_post(const at::Tensor& h, const at::Tensor& attn, const Project
                       const at::Tensor& pre_ff_scale, const Projection& gate_up, const Projection& down,
                       const at::Tensor& post_ff_scale, double eps);
 
+// The same two halves on rows in memory the caller holds, unchecked (the decode stack reuses its buffers:
+// a tensor made, viewed or checked costs about a microsecond, a few dozen of them a layer). `layer_pre`'s:
+// projected (T, (heads + 2 kv_heads) D), qk (T, heads + kv_heads, D) its normed and rotated q and k; v stays in
+// projected. `layer_post`'s: out (T, hidden).
+template <typename F>
+void pre_rows(const F* h, int64_t T, int64_t hidden, const float* norm_scale, const Projection& qkv,
+              const float* qk_scale, int64_t heads, int64_t kv_heads, int64_t D, const float* cos, const float* sin,
+              float eps, F* projected, F* qk);
+template <typename F>
+void post_rows(const F* h, const F* attn, int64_t T, int64_t hidden, const Projection& o, const float* post_attn_scale,
+               const float* pre_ff_scale, const Projection& gate_up, const Projection& down,
+               const float* post_ff_scale, float eps, F* out);
+
 }  // namespace swa
