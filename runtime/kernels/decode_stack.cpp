@@ -17,10 +17,13 @@
 
 #include "attention.h"
 #include "decode_layer.h"
+#include "norms.h"
 
 namespace swa {
 
-DecodeStack::DecodeStack(std::vector<StackLayer> layers) : layers_(std::move(layers)) {
+DecodeStack::DecodeStack(std::vector<StackLayer> layers, StackEnds ends)
+    : layers_(std::move(layers)), ends_(std::move(ends)) {
+  TORCH_CHECK(!layers_.empty(), "a stack of no layers");
   for (const auto& l : layers_) {
     TORCH_CHECK(l.heads > 0 && l.kv_heads > 0 && l.heads % l.kv_heads == 0, "heads must be a multiple of kv_heads");
     TORCH_CHECK(l.qk_scale.dim() == 2 && l.qk_scale.size(0) == l.heads + l.kv_heads,
@@ -38,21 +41,24 @@ DecodeStack::DecodeStack(std::vector<StackLayer> layers) : layers_(std::move(lay
       check_scale(*s, hidden, "a norm scale");
     TORCH_CHECK(l.rope >= 0, "a layer's rotary table index must not be negative");
     TORCH_CHECK(l.watched.size() == l.versions.size(), "a version per watched tensor");
-    std::vector<Seen> seen;
-    for (const auto& t : l.watched) seen.push_back({t.data_ptr(), t.scalar_type()});
-    seen_.push_back(std::move(seen));
+    for (size_t j = 0; j < l.watched.size(); ++j)
+      watched_.push_back({l.watched[j], l.versions[j], l.watched[j].data_ptr(), l.watched[j].scalar_type()});
   }
+  const int64_t hidden = layers_[0].qkv.in_features();
+  TORCH_CHECK(ends_.embed.dim() == 2 && ends_.embed.size(1) == hidden && ends_.embed.is_contiguous() &&
+                  ends_.embed.device().is_cpu(),
+              "the token table must be contiguous (V, ", hidden, ") on the CPU");
+  check_scale(ends_.embed_scale, 1, "embed_scale");
+  check_scale(ends_.final_scale, hidden, "the final norm's scale");
+  TORCH_CHECK(ends_.watched.size() == ends_.versions.size(), "a version per watched tensor");
+  for (size_t j = 0; j < ends_.watched.size(); ++j)
+    watched_.push_back({ends_.watched[j], ends_.versions[j], ends_.watched[j].data_ptr(), ends_.watched[j].scalar_type()});
 }
 
 bool DecodeStack::current() const {
-  for (size_t i = 0; i < layers_.size(); ++i) {
-    const StackLayer& l = layers_[i];
-    for (size_t j = 0; j < l.watched.size(); ++j) {
-      const at::Tensor& t = l.watched[j];
-      if (t._version() != l.versions[j] || t.data_ptr() != seen_[i][j].data ||
-          t.scalar_type() != seen_[i][j].dtype)
-        return false;
-    }
+  for (const Watched& w : watched_) {
+    if (w.tensor._version() != w.version || w.tensor.data_ptr() != w.data || w.tensor.scalar_type() != w.dtype)
+      return false;
   }
   return true;
 }
@@ -73,31 +79,44 @@ int64_t slot_of(const at::Tensor& loc, int64_t t) {
 
 }  // namespace
 
-at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
-                            std::vector<at::Tensor> k_bufs, std::vector<at::Tensor> v_bufs,
-                            const std::vector<at::Tensor>& locs, const std::vector<at::Tensor>& indices,
-                            const std::vector<at::Tensor>& indptrs) const {
+at::Tensor DecodeStack::run(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& cos,
+                            const std::vector<at::Tensor>& sin, std::vector<at::Tensor> k_bufs,
+                            std::vector<at::Tensor> v_bufs, const std::vector<at::Tensor>& locs,
+                            const std::vector<at::Tensor>& indices, const std::vector<at::Tensor>& indptrs) const {
   const size_t n = layers_.size();
-  TORCH_CHECK(n > 0, "a stack of no layers");
   TORCH_CHECK(k_bufs.size() == n && v_bufs.size() == n && locs.size() == n && indices.size() == n &&
                   indptrs.size() == n,
               "one KV buffer pair, write location and key list per layer (", n, " layers)");
   TORCH_CHECK(cos.size() == sin.size(), "a cos and a sin per rotary table");
-  check_float_or_bf16(h, "h");
-  TORCH_CHECK(h.dim() == 2 && h.size(0) >= 1 && h.is_contiguous(), "h must be contiguous (T, hidden) with T >= 1");
-  const int64_t T = h.size(0), hidden = h.size(1);
-  TORCH_CHECK(layers_[0].qkv.in_features() == hidden, "the layers take ", layers_[0].qkv.in_features(),
-              " values a row, h has ", hidden);
+  for (const auto* t : {&ids, &positions}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) >= 1 &&
+                    t->is_contiguous() && t->size(0) == ids.size(0),
+                "ids and positions must be (T,) int64 on the CPU, T >= 1");
+  }
+  const at::Tensor& table = ends_.embed;
+  check_float_or_bf16(table, "the token table");
+  const int64_t T = ids.size(0), hidden = table.size(1), V = table.size(0);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK_INDEX(id[t] >= 0 && id[t] < V, "token id ", id[t], " outside the table of ", V);
   // Everything each layer reads, checked before any layer runs: the loop below takes raw rows.
+  for (size_t r = 0; r < cos.size(); ++r) {
+    for (const auto* a : {&cos[r], &sin[r]}) {
+      TORCH_CHECK(a->scalar_type() == at::kFloat && a->is_contiguous() && a->dim() >= 2 && a->sizes() == cos[r].sizes(),
+                  "rotary table ", r, ": cos and sin must be contiguous float32 alike, a row per position");
+    }
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK_INDEX(pos[t] >= 0 && pos[t] < cos[r].size(0), "position ", pos[t], " outside rotary table ", r);
+  }
   for (size_t i = 0; i < n; ++i) {
     const StackLayer& l = layers_[i];
     TORCH_CHECK(l.rope < static_cast<int64_t>(cos.size()), "layer ", i, " turns with rotary table ", l.rope, " of ",
                 cos.size());
     const int64_t D = l.qk_scale.size(1);
-    check_scale(cos[l.rope], T * D, "cos");
-    check_scale(sin[l.rope], T * D, "sin");
+    TORCH_CHECK(cos[l.rope].numel() == cos[l.rope].size(0) * D, "rotary table ", l.rope, " rows must hold ", D,
+                " values");
     const at::Tensor &kb = k_bufs[i], &vb = v_bufs[i];
-    TORCH_CHECK(kb.scalar_type() == h.scalar_type() && vb.scalar_type() == h.scalar_type(), "layer ", i,
+    TORCH_CHECK(kb.scalar_type() == table.scalar_type() && vb.scalar_type() == table.scalar_type(), "layer ", i,
                 "'s KV buffers must hold the rows' dtype");
     TORCH_CHECK(kb.dim() == 3 && kb.is_contiguous() && vb.is_contiguous() && vb.sizes() == kb.sizes() &&
                     kb.size(1) == l.kv_heads && kb.size(2) == D,
@@ -117,10 +136,27 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
     TORCH_CHECK(ip[0] == 0 && ip[T] <= indices[i].numel(), "layer ", i, "'s indptr does not fit its indices");
     for (int64_t b = 0; b < T; ++b) TORCH_CHECK(ip[b + 1] >= ip[b], "indptr must not decrease");
   }
-  auto out = at::empty_like(h);
-  with_float_type(h.scalar_type(), [&](auto tag) {
+  // Each table's rows at the tokens' positions: (cos, sin) per table, (T, D) each.
+  thread_local std::vector<float> angles;
+  std::vector<int64_t> at_table(cos.size() + 1, 0);
+  for (size_t r = 0; r < cos.size(); ++r) at_table[r + 1] = at_table[r] + 2 * T * (cos[r].numel() / cos[r].size(0));
+  angles.resize(at_table.back());
+  for (size_t r = 0; r < cos.size(); ++r) {
+    const int64_t D = cos[r].numel() / cos[r].size(0);
+    for (int64_t t = 0; t < T; ++t) {
+      std::memcpy(angles.data() + at_table[r] + t * D, cos[r].data_ptr<float>() + pos[t] * D, D * sizeof(float));
+      std::memcpy(angles.data() + at_table[r] + (T + t) * D, sin[r].data_ptr<float>() + pos[t] * D, D * sizeof(float));
+    }
+  }
+  auto out = at::empty({T, hidden}, table.options());
+  with_float_type(table.scalar_type(), [&](auto tag) {
     using F = decltype(tag);
-    const F* x = data_of<F>(h);
+    F* x = rows<F, 5>(T * hidden);  // the tokens' rows, times the multiplier rounded as the torch path rounds it
+    const float scale = as_stored<F>(ends_.embed_scale.data_ptr<float>()[0]);
+    for (int64_t t = 0; t < T; ++t) {
+      const F* row = data_of<F>(table) + id[t] * hidden;
+      for (int64_t d = 0; d < hidden; ++d) store(x, t * hidden + d, load(row, d) * scale);
+    }
     for (size_t i = 0; i < n; ++i) {
       const StackLayer& l = layers_[i];
       const int64_t H = l.heads, KV = l.kv_heads, D = l.qk_scale.size(1), width = l.qkv.out_features();
@@ -135,9 +171,9 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
       }
       F* projected = rows<F, 0>(T * width);
       F* qk = rows<F, 1>(T * (H + KV) * D);
+      const float* turn = angles.data() + at_table[l.rope];
       pre_rows<F>(x, T, hidden, l.input_scale.data_ptr<float>(), l.qkv, l.qk_scale.data_ptr<float>(), H, KV, D,
-                  cos[l.rope].data_ptr<float>(), sin[l.rope].data_ptr<float>(), static_cast<float>(l.eps), projected,
-                  qk);
+                  turn, turn + T * D, static_cast<float>(l.eps), projected, qk);
       for (int64_t t = 0; t < T; ++t) {  // a token attends to itself: its k and v written first
         const int64_t slot = slot_of(locs[i], t);
         std::memcpy(kb + slot * KV * D, qk + (t * (H + KV) + H) * D, KV * D * sizeof(F));
@@ -147,12 +183,13 @@ at::Tensor DecodeStack::run(const at::Tensor& h, const std::vector<at::Tensor>& 
       decode_attention_rows<F>(qk, (H + KV) * D, kb, vb, indices[i].data_ptr<int32_t>(),
                                indptrs[i].data_ptr<int32_t>(), attn, T, H, KV, D, k_bufs[i].size(0),
                                static_cast<float>(l.scaling), static_cast<float>(l.softcap));
-      F* next = i + 1 == n ? mutable_data_of<F>(out) : (x == rows<F, 3>(T * hidden) ? rows<F, 4>(T * hidden)
-                                                                                     : rows<F, 3>(T * hidden));
+      F* next = x == rows<F, 3>(T * hidden) ? rows<F, 4>(T * hidden) : rows<F, 3>(T * hidden);
       post_rows<F>(x, attn, T, hidden, l.o, l.post_attn_scale.data_ptr<float>(), l.pre_ff_scale.data_ptr<float>(),
                    l.gate_up, l.down, l.post_ff_scale.data_ptr<float>(), static_cast<float>(l.eps), next);
       x = next;
     }
+    rms_rows<F>(x, ends_.final_scale.data_ptr<float>(), 1, nullptr, mutable_data_of<F>(out), T, hidden,
+                static_cast<float>(ends_.eps));
   });
   return out;
 }

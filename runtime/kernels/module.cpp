@@ -57,9 +57,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            pybind11::arg("post_ff_scale"), pybind11::arg("qk_scale"), pybind11::arg("heads"),
            pybind11::arg("kv_heads"), pybind11::arg("rope"), pybind11::arg("eps"), pybind11::arg("scaling"),
            pybind11::arg("softcap"), pybind11::arg("watched"), pybind11::arg("versions"));
+  pybind11::class_<swa::StackEnds>(m, "StackEnds", pybind11::module_local(), "a model's parts around its layers")
+      .def(pybind11::init([](at::Tensor embed, at::Tensor embed_scale, at::Tensor final_scale, double eps,
+                             std::vector<at::Tensor> watched, std::vector<int64_t> versions) {
+             return swa::StackEnds{embed, embed_scale, final_scale, eps, watched, versions};
+           }),
+           pybind11::arg("embed"), pybind11::arg("embed_scale"), pybind11::arg("final_scale"), pybind11::arg("eps"),
+           pybind11::arg("watched"), pybind11::arg("versions"));
   pybind11::class_<swa::DecodeStack>(m, "DecodeStack", pybind11::module_local(), "a model's decoder layers in order")
-      .def(pybind11::init<std::vector<swa::StackLayer>>())
-      .def("run", &swa::DecodeStack::run, "the rows after every layer: per layer pre, KV write, attention, post")
+      .def(pybind11::init<std::vector<swa::StackLayer>, swa::StackEnds>())
+      .def("run", &swa::DecodeStack::run,
+           "the final norm's rows for the tokens: their embedding, then per layer pre, KV write, attention, post")
       .def("current", &swa::DecodeStack::current, "every watched tensor at the version and data it was made from")
       .def("__len__", &swa::DecodeStack::size);
 }

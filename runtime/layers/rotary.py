@@ -38,15 +38,25 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The angles of the tokens at `positions` (T,) as `apply_rotary` takes them, each (T, 1, D) float32:
         cos of frequency i at i and i + D/2, and sin negated in the first half (`rotate_half`'s sign)."""
-        if positions.is_cpu and positions.numel():  # (reading the range would cost a device a sync)
-            lo, hi = bounds(positions)
-            if 0 <= lo and hi < self.max_position:
-                cos_wide, sin_wide = self.cos_wide, self.sin_wide
-                if hi >= cos_wide.shape[0]:
-                    cos_wide, sin_wide = self._widen(hi + 1)
-                return cos_wide[positions], sin_wide[positions]  # (T, 1, D)
+        tables = self.wide(positions)
+        if tables is not None:
+            cos_wide, sin_wide = tables
+            return cos_wide[positions], sin_wide[positions]  # (T, 1, D)
         cos, sin = self.cos_cache[positions], self.sin_cache[positions]  # (T, D/2)
         return torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((-sin, sin), -1).unsqueeze(1)
+
+    def wide(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The full-width tables (P', 1, D), widened to hold `positions` (T,): `cos_sin` gathers their rows, the
+        fused decode stack reads them itself. None where they cannot serve: positions on a device (reading
+        their range would cost a sync), none, or one outside [0, max_position)."""
+        if not positions.is_cpu or not positions.numel():
+            return None
+        lo, hi = bounds(positions)
+        if lo < 0 or hi >= self.max_position:
+            return None
+        if hi >= self.cos_wide.shape[0]:
+            return self._widen(hi + 1)
+        return self.cos_wide, self.sin_wide
 
     def _widen(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Full-width tables of at least `rows` rows (doubling, so that growth is rare)."""

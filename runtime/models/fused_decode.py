@@ -12,7 +12,8 @@ stale location, must never be used, so every call checks it (~2 us).
 Even two calls a layer left the interpreter about 55 us a layer in a real step (the weights the kernels stream
 sweep the caches its frames live in): a millisecond of a batch-1 step. `stack_forward` runs every layer in one
 call (`DecodeStack`: per layer `layer_pre`, the KV write, decode attention, `layer_post`, the same kernels in the
-same order as the per-layer path, so the same values bit for bit). The runtime's part of each layer's attention
+same order as the per-layer path, so the same values bit for bit), and the model's ends with them: the token
+rows and their multiplier, the rotary rows, the final norm (five torch operations, ~100 us cold a step). The runtime's part of each layer's attention
 call, the location translation and the KV sanitizer's checks, runs before it, layer by layer in the per-layer
 path's order, through the same methods (`AttentionBackend.fused_decode_io`, `HybridKVPool.set_kv_buffer`), and
 hands the slots and keys in. It serves when everything the per-layer path would do is in it: every layer has a
@@ -28,6 +29,7 @@ from torch.nn.modules import module as _module
 from runtime import kernels
 from runtime.context import get_forward_context
 from runtime.layers.decode_linear import DecodeLinear
+from runtime.layers.linear import Embedding
 from runtime.layers.module_call import call, hooked
 
 # Rows up to which a decoder layer runs through the fused kernels: decode batches (one row a request) up to 64,
@@ -72,10 +74,14 @@ def plan_for(layer, h: torch.Tensor) -> FusedPlan | None:
     than the kernels take, every projection with a copy in their layout); else None."""
     if h.shape[0] > FUSED_MAX_ROWS or kernels.for_tensor(h) is None:
         return None
+    return _plan(layer, h.shape[0])
+
+
+def _plan(layer, rows: int) -> FusedPlan | None:
     plan = layer._fused_plan
     if plan is None or not plan.describes():
         plan = layer._fused_plan = FusedPlan(layer)
-    return plan if plan.projections is not None and h.shape[0] <= plan.max_rows else None
+    return plan if plan.projections is not None and rows <= plan.max_rows else None
 
 
 def fused_forward(layer, plan: FusedPlan, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,62 +110,77 @@ _module.register_module_module_registration_hook(_count_rebind)
 
 
 class FusedStack:
-    """The layers' plans as one `DecodeStack`, used while it still describes the model. Checking each layer's
-    plan (`FusedPlan.describes`) costs ~0.2 ms at the start of a real step, with caches the weights swept: here
-    the same facts are read from counters (a projection's copy set, something rebound on a module), the hook
-    tables and, in C++, the norm weights' versions."""
+    """A model's layer plans and the parts around them (the token table and its multiplier, the final norm) as
+    one `DecodeStack`, used while it still describes the model. Checking each layer's plan
+    (`FusedPlan.describes`) costs ~0.2 ms at the start of a real step, with caches the weights swept: here the same
+    facts are read from counters (a projection's copy set, something rebound on a module), the hook tables and,
+    in C++, the versions of the weights its multipliers were made from."""
 
-    def __init__(self, layers, plans: list[FusedPlan], rope: list[int]) -> None:
+    def __init__(self, model, plans: list[FusedPlan]) -> None:
         self.copies_set, self.rebinds = DecodeLinear.copies_set, _rebinds
         self.plans = plans
         self.max_rows = min(plan.max_rows for plan in plans)
         self.attentions = [plan.attention for plan in plans]
-        # the tables `call` looks in: a hook on a layer or its attention runs between layers (the per-layer path)
-        self.hook_tables = [table for layer, plan in zip(layers, plans) for m in (layer, plan.attention)
-                            for table in (m._forward_hooks, m._forward_pre_hooks)]
+        # the tables `call` looks in: a hook on the embedding, a layer, its attention or the final norm (the
+        # per-layer path runs it: between layers, diagnose's mid-forward remap)
+        modules = [model.embed_tokens, model.norm] + [m for layer, plan in zip(model.layers, plans)
+                                                      for m in (layer, plan.attention)]
+        self.hook_tables = [table for m in modules for table in (m._forward_hooks, m._forward_pre_hooks)]
         fused = kernels.load()
         stack = []
-        for plan, table in zip(plans, rope):
+        for plan, table in zip(plans, model.layer_rope):
             qkv, o, gate_up, down = plan.projections
             attn = plan.attention
             stack.append(fused.StackLayer(qkv, o, gate_up, down, *plan.scales, plan.qk_scale, plan.heads,
                                           plan.kv_heads, table, plan.eps, attn.scaling, attn.logit_softcapping or 0.0,
                                           [w for _, w, _ in plan.norms], [v for _, _, v in plan.norms]))
-        self.stack = fused.DecodeStack(stack)
+        watched = [model.embed_tokens.weight, model.embed_scale, model.norm.weight]
+        ends = fused.StackEnds(model.embed_tokens.weight, model.embed_scale, model.norm.scale(), model.norm.eps,
+                               watched, [t._version for t in watched])
+        self.stack = fused.DecodeStack(stack, ends)
 
     def describes(self, layers) -> bool:
-        """Whether every layer's plan still describes it (`FusedPlan.describes`) and nothing is hooked."""
+        """Whether every layer's plan still describes it (`FusedPlan.describes`), the ends are as they were and
+        nothing is hooked."""
         if (self.copies_set != DecodeLinear.copies_set or self.rebinds != _rebinds or len(layers) != len(self.plans)
                 or _module._global_forward_hooks or _module._global_forward_pre_hooks or any(self.hook_tables)):
             return False
         return self.stack.current()
 
 
-def stack_for(model, h: torch.Tensor) -> FusedStack | None:
-    """`model`'s (a `Gemma3Model`) stack when this forward can run its layers in one call: every layer with a
-    plan (`plan_for`), none hooked, the backend attending in place at h's dtype; else None (the per-layer path)."""
-    if h.shape[0] > FUSED_MAX_ROWS or kernels.for_tensor(h) is None:
+def stack_for(model, ids: torch.Tensor) -> FusedStack | None:
+    """`model`'s (a `Gemma3Model`) stack when this forward over the tokens `ids` can run in one call: bfloat16
+    on the CPU, a token table of that dtype, every layer with a plan (`plan_for`), nothing hooked, the backend
+    attending in place; else None (the per-layer path)."""
+    rows = ids.shape[0]
+    dtype = model.norm.weight.dtype
+    if rows > FUSED_MAX_ROWS or ids.dtype != torch.int64 or kernels.for_tensor(model.norm.weight) is None:
         return None
     backend = get_forward_context().attn_backend
     in_place = getattr(backend, "attends_in_place", None)  # a backend held to the contract alone has none
-    if in_place is None or not in_place(h.dtype):
+    if in_place is None or not in_place(dtype):
         return None
     layers = model.layers
     stack = model._fused_stack
     if stack is not None and stack.describes(layers):
-        return stack if h.shape[0] <= stack.max_rows else None
+        return stack if rows <= stack.max_rows else None
+    embed = model.embed_tokens
+    if not isinstance(embed, Embedding) or embed.weight.dtype != dtype or hooked(embed) or hooked(model.norm):
+        return None
     plans = []
     for layer in layers:
-        plan = plan_for(layer, h)
+        plan = _plan(layer, rows)
         if plan is None or hooked(layer) or hooked(plan.attention):
             return None
         plans.append(plan)
-    stack = model._fused_stack = FusedStack(layers, plans, model.layer_rope)
-    return stack
+    stack = model._fused_stack = FusedStack(model, plans)
+    return stack if rows <= stack.max_rows else None
 
 
-def stack_forward(stack: FusedStack, h: torch.Tensor, angles: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """h (T, hidden) after every layer: each layer's translation and sanitizer checks in order, then the math."""
+def stack_forward(stack: FusedStack, ids: torch.Tensor, positions: torch.Tensor,
+                  tables: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The final norm's rows (T, hidden) for the tokens `ids` at `positions`, each layer's translation and
+    sanitizer checks done in order first; `tables`: each rotary table's full-width (cos, sin)."""
     backend = get_forward_context().attn_backend
     k_bufs, v_bufs, slots, indices, indptrs = [], [], [], [], []
     for attention in stack.attentions:
@@ -169,4 +190,5 @@ def stack_forward(stack: FusedStack, h: torch.Tensor, angles: list[tuple[torch.T
         slots.append(loc)
         indices.append(keys.indices)
         indptrs.append(keys.indptr)
-    return stack.stack.run(h, [c for c, _ in angles], [s for _, s in angles], k_bufs, v_bufs, slots, indices, indptrs)
+    return stack.stack.run(ids, positions, [c for c, _ in tables], [s for _, s in tables], k_bufs, v_bufs, slots,
+                           indices, indptrs)

@@ -205,12 +205,14 @@ class Gemma3Model(nn.Module):
         self._fused_stack: FusedStack | None = None  # `runtime/models/fused_decode.py`
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # (T,), (T,)
+        stack = stack_for(self, input_ids)
+        if stack is not None:  # decode's few rows: all of it in one call (`runtime/models/fused_decode.py`)
+            tables = [rotary.wide(positions) for rotary in self.rotary]
+            if None not in tables:
+                return stack_forward(stack, input_ids, positions, tables)
         h = self.embed_tokens(input_ids)  # (T, hidden)
         h = h * self.embed_scale.to(h.dtype)
         angles = [rotary.cos_sin(positions) for rotary in self.rotary]  # per table: cos, sin (T, 1, D)
-        stack = stack_for(self, h)
-        if stack is not None:  # decode's few rows: every layer in one call (`runtime/models/fused_decode.py`)
-            return self.norm(stack_forward(stack, h, angles))
         for layer, r in zip(self.layers, self.layer_rope):
             h = call(layer, h, *angles[r])
         return self.norm(h)  # (T, hidden)

@@ -134,16 +134,19 @@ def test_the_stack_gives_the_per_layer_values_after_the_same_lookups_and_checks(
 
 
 @torch.no_grad()
-def test_the_stack_is_remade_when_a_layer_changes_or_is_hooked(fused_kernels):
-    model = build_model(CONFIG, STATE, torch.bfloat16, quantization="int8-head")
-    layers = model.model.layers
-    plans = [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16()) for layer in layers]
-    stack = fused_decode.FusedStack(layers, plans, model.model.layer_rope)
+def test_the_stack_is_remade_when_a_layer_or_an_end_changes_or_is_hooked(fused_kernels):
+    model = build_model(CONFIG, STATE, torch.bfloat16, quantization="int8-head").model
+    layers = model.layers
+
+    def fresh():
+        return fused_decode.FusedStack(model, [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16())
+                                               for layer in layers])
+
+    stack = fresh()
     assert stack.describes(layers)
     layers[1].post_feedforward_layernorm.weight.add_(0.25)  # in place: its multiplier is stale
     assert not stack.describes(layers)
-    stack = fused_decode.FusedStack(layers, [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16())
-                                             for layer in layers], model.model.layer_rope)
+    stack = fresh()
     assert stack.describes(layers)
     handle = layers[0].self_attn.attn.register_forward_pre_hook(lambda module, args: None)
     assert not stack.describes(layers)
@@ -151,7 +154,19 @@ def test_the_stack_is_remade_when_a_layer_changes_or_is_hooked(fused_kernels):
     assert stack.describes(layers)
     layers[2].mlp.down_proj.decode = layers[2].mlp.down_proj.decode  # a copy set, even the same one
     assert not stack.describes(layers)
-    stack = fused_decode.FusedStack(layers, [fused_decode.plan_for(layer, torch.zeros(1, CONFIG.hidden_size).bfloat16())
-                                             for layer in layers], model.model.layer_rope)
+    stack = fresh()
     layers[3].input_layernorm.weight = torch.nn.Parameter(layers[3].input_layernorm.weight.clone())  # rebound
     assert not stack.describes(layers)
+    # the ends the stack runs itself: the token table, its multiplier, the final norm
+    for edit in (lambda: model.embed_tokens.weight[5].add_(1.0), lambda: model.embed_scale.mul_(2.0),
+                 lambda: model.norm.weight.add_(0.5)):
+        stack = fresh()
+        assert stack.describes(layers)
+        edit()
+        assert not stack.describes(layers)
+    for module in (model.embed_tokens, model.norm):
+        stack = fresh()
+        handle = module.register_forward_hook(lambda m, args, out: None)
+        assert not stack.describes(layers)
+        handle.remove()
+        assert stack.describes(layers)
