@@ -71,7 +71,8 @@ class StaticGraphRunner:
         for static, live in ((buf.input_ids, batch.input_ids), (buf.positions, batch.positions),
                              (buf.out_cache_loc, batch.out_cache_loc)):
             static[:n].copy_(live)
-            static[n:].zero_()
+            if n < buf.tokens:
+                static[n:].zero_()
         return self._static_batch(buf, batch)
 
     def _static_batch(self, buf: _StaticBuffers, batch: ForwardBatch | None) -> ForwardBatch:

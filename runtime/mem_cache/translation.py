@@ -94,7 +94,8 @@ class Translator:
     def end_forward(self) -> None:
         """The forward is over: any mapping write outside the hooked mutations is reported now."""
         if self.reporter is not None and self.forward_id:
-            rows = torch.cat(list(self._translated.values())) if self._translated else None
+            copies = list(self._translated.values())
+            rows = (copies[0] if len(copies) == 1 else torch.cat(copies)) if copies else None
             self.check_mapping_ownership(rows=rows)
         self._translated.clear()
         self.forward_id, self.mode = 0, "none"
