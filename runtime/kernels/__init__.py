@@ -15,8 +15,9 @@ The sources, one job each:
   block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles;
 - `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
   (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
-- `decode_stack.cpp`: every decoder layer of a decode step in one call (`DecodeStack`: per layer `layer_pre`,
-  the KV write, decode attention, `layer_post`), at slots and keys the runtime translated and checked before;
+- `decode_stack.cpp`: a decode step's model but its LM head in one call (`DecodeStack`: the token rows, per layer
+  `layer_pre`, the KV write, decode attention, `layer_post`, the final norm), at slots and keys the runtime
+  translated and checked before;
 - `ledger.cpp`: the KV sanitizer's write check in one call, for its common outcome (everything in order);
 - `module.cpp`: the Python bindings.
 
