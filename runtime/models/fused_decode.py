@@ -13,12 +13,13 @@ Even two calls a layer left the interpreter about 55 us a layer in a real step (
 sweep the caches its frames live in): a millisecond of a batch-1 step. `stack_forward` runs every layer in one
 call (`DecodeStack`: per layer `layer_pre`, the KV write, decode attention, `layer_post`, the same kernels in the
 same order as the per-layer path, so the same values bit for bit), and the model's ends with them: the token
-rows and their multiplier, the rotary rows, the final norm (five torch operations, ~100 us cold a step). The runtime's part of each layer's attention
-call, the location translation and the KV sanitizer's checks, runs before it, layer by layer in the per-layer
-path's order, through the same methods (`AttentionBackend.fused_decode_io`, `HybridKVPool.set_kv_buffer`), and
-hands the slots and keys in. It serves when everything the per-layer path would do is in it: every layer has a
-plan, nothing is hooked on a layer or its attention (diagnose's mid-forward remap hooks one: between two
-layers), and the backend's attention is the torch backend's in-place decode.
+rows and their multiplier, the rotary rows, the final norm (five torch operations, ~100 us cold a step). The
+runtime's part of each layer's attention call, the location translation and the KV sanitizer's checks, runs
+before it, layer by layer in the per-layer path's order, through the same methods
+(`AttentionBackend.fused_decode_io`, `HybridKVPool.set_kv_buffer`), and hands the slots and keys in. It serves
+when everything the per-layer path would do is in it: every layer has a plan, nothing is hooked on the embedding,
+a layer, its attention or the final norm (diagnose's mid-forward remap hooks a layer: between two layers), and
+the backend's attention is the torch backend's in-place decode.
 """
 
 from __future__ import annotations
