@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 namespace swa {
 
@@ -62,6 +63,21 @@ inline void check_float_or_bf16(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16, what,
               " must be float32 or bfloat16, got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), what, " must be contiguous");
+}
+
+// A thread's scratch buffer of at least n values, kept and grown as needed (a decode step would otherwise allocate
+// a few a layer). One buffer per (F, kSlot): decode_layer.cpp takes slots 0-5, decode_stack.cpp 10-15.
+template <typename F, int kSlot>
+F* scratch(int64_t n) {
+  thread_local std::vector<F> buffer;
+  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
+  return buffer.data();
+}
+
+// Element i of a 1-D int64 or int32 CPU tensor (a list of slots), as int64.
+inline int64_t slot_at(const at::Tensor& t, int64_t i) {
+  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i * t.stride(0)]
+                                      : static_cast<int64_t>(t.data_ptr<int32_t>()[i * t.stride(0)]);
 }
 
 inline void check_scale(const at::Tensor& t, int64_t n, const char* what) {

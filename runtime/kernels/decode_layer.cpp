@@ -36,14 +36,6 @@ void project(const Projection& p, const T* x, int64_t rows, T* y) {
   }
 }
 
-// A thread's scratch rows of T, grown as needed and kept (a decode step would otherwise allocate a few a layer).
-template <typename F, int kSlot>
-F* scratch(int64_t n) {
-  thread_local std::vector<F> rows;
-  if (static_cast<int64_t>(rows.size()) < n) rows.resize(n);
-  return rows.data();
-}
-
 }  // namespace
 
 template <typename F>

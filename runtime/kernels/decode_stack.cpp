@@ -63,22 +63,6 @@ bool DecodeStack::current() const {
   return true;
 }
 
-namespace {
-
-// The stack's rows between calls, kept per thread and grown as needed (`kSlot`: one buffer each).
-template <typename F, int kSlot>
-F* rows(int64_t n) {
-  thread_local std::vector<F> buffer;
-  if (static_cast<int64_t>(buffer.size()) < n) buffer.resize(n);
-  return buffer.data();
-}
-
-int64_t slot_of(const at::Tensor& loc, int64_t t) {
-  return loc.scalar_type() == at::kLong ? loc.data_ptr<int64_t>()[t] : loc.data_ptr<int32_t>()[t];
-}
-
-}  // namespace
-
 at::Tensor DecodeStack::run(const at::Tensor& ids, const at::Tensor& positions, const std::vector<at::Tensor>& cos,
                             const std::vector<at::Tensor>& sin, std::vector<at::Tensor> k_bufs,
                             std::vector<at::Tensor> v_bufs, const std::vector<at::Tensor>& locs,
@@ -126,7 +110,7 @@ at::Tensor DecodeStack::run(const at::Tensor& ids, const at::Tensor& positions, 
                     loc.size(0) == T && loc.is_contiguous(),
                 "layer ", i, "'s write locations must be (T,) int64 or int32");
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = slot_of(loc, t);
+      const int64_t slot = slot_at(loc, t);
       TORCH_CHECK(slot >= 0 && slot < kb.size(0), "slot ", slot, " outside the pool of ", kb.size(0));
     }
     TORCH_CHECK(indices[i].scalar_type() == at::kInt && indices[i].is_contiguous() &&
@@ -151,7 +135,7 @@ at::Tensor DecodeStack::run(const at::Tensor& ids, const at::Tensor& positions, 
   auto out = at::empty({T, hidden}, table.options());
   with_float_type(table.scalar_type(), [&](auto tag) {
     using F = decltype(tag);
-    F* x = rows<F, 5>(T * hidden);  // the tokens' rows, times the multiplier rounded as the torch path rounds it
+    F* x = scratch<F, 15>(T * hidden);  // the tokens' rows, times the multiplier rounded as the torch path rounds it
     const float scale = as_stored<F>(ends_.embed_scale.data_ptr<float>()[0]);
     for (int64_t t = 0; t < T; ++t) {
       const F* row = data_of<F>(table) + id[t] * hidden;
@@ -163,27 +147,27 @@ at::Tensor DecodeStack::run(const at::Tensor& ids, const at::Tensor& positions, 
       F* kb = mutable_data_of<F>(k_bufs[i]);
       F* vb = mutable_data_of<F>(v_bufs[i]);
       for (int64_t t = 0; t < T; ++t) {  // the rows this layer writes, fetched for writing while it projects
-        const int64_t slot = slot_of(locs[i], t);
+        const int64_t slot = slot_at(locs[i], t);
         for (int64_t b = 0; b < KV * D * static_cast<int64_t>(sizeof(F)); b += 64) {
           __builtin_prefetch(reinterpret_cast<char*>(kb + slot * KV * D) + b, 1, 3);
           __builtin_prefetch(reinterpret_cast<char*>(vb + slot * KV * D) + b, 1, 3);
         }
       }
-      F* projected = rows<F, 0>(T * width);
-      F* qk = rows<F, 1>(T * (H + KV) * D);
+      F* projected = scratch<F, 10>(T * width);
+      F* qk = scratch<F, 11>(T * (H + KV) * D);
       const float* turn = angles.data() + at_table[l.rope];
       pre_rows<F>(x, T, hidden, l.input_scale.data_ptr<float>(), l.qkv, l.qk_scale.data_ptr<float>(), H, KV, D,
                   turn, turn + T * D, static_cast<float>(l.eps), projected, qk);
       for (int64_t t = 0; t < T; ++t) {  // a token attends to itself: its k and v written first
-        const int64_t slot = slot_of(locs[i], t);
+        const int64_t slot = slot_at(locs[i], t);
         std::memcpy(kb + slot * KV * D, qk + (t * (H + KV) + H) * D, KV * D * sizeof(F));
         std::memcpy(vb + slot * KV * D, projected + t * width + (H + KV) * D, KV * D * sizeof(F));
       }
-      F* attn = rows<F, 2>(T * H * D);
+      F* attn = scratch<F, 12>(T * H * D);
       decode_attention_rows<F>(qk, (H + KV) * D, kb, vb, indices[i].data_ptr<int32_t>(),
                                indptrs[i].data_ptr<int32_t>(), attn, T, H, KV, D, k_bufs[i].size(0),
                                static_cast<float>(l.scaling), static_cast<float>(l.softcap));
-      F* next = x == rows<F, 3>(T * hidden) ? rows<F, 4>(T * hidden) : rows<F, 3>(T * hidden);
+      F* next = x == scratch<F, 13>(T * hidden) ? scratch<F, 14>(T * hidden) : scratch<F, 13>(T * hidden);
       post_rows<F>(x, attn, T, hidden, l.o, l.post_attn_scale.data_ptr<float>(), l.pre_ff_scale.data_ptr<float>(),
                    l.gate_up, l.down, l.post_ff_scale.data_ptr<float>(), static_cast<float>(l.eps), next);
       x = next;

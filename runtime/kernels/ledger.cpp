@@ -15,12 +15,6 @@ bool plain_int64(const at::Tensor& t) {
   return t.device().is_cpu() && t.scalar_type() == at::kLong && t.dim() == 1 && t.is_contiguous();
 }
 
-// Element i of a (T,) int32 or int64 CPU tensor.
-int64_t slot_at(const at::Tensor& t, int64_t i) {
-  return t.scalar_type() == at::kLong ? t.data_ptr<int64_t>()[i * t.stride(0)]
-                                      : static_cast<int64_t>(t.data_ptr<int32_t>()[i * t.stride(0)]);
-}
-
 bool plain_slots(const at::Tensor& t, int64_t n) {
   return t.device().is_cpu() && (t.scalar_type() == at::kLong || t.scalar_type() == at::kInt) && t.dim() == 1 &&
          t.size(0) == n;
