@@ -1,8 +1,8 @@
 // The low-bit kernels over quant.cpp's layouts, on AVX512-VNNI: up to 8 rows streamed (`Projection::run`: each
 // thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
 // core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
-// GB/s; four streams for one or two rows (two on AMD: `vnni_vendor`), two for three or four, one beyond, as the
-// registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64
+// GB/s; four streams for one or two rows (on AMD, which reads ahead, one for one and two for two: `vnni_vendor`),
+// two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64
 // multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights
 // stay in the core's caches while its rows go by).
 
@@ -125,10 +125,13 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
 }
 
 // The streaming kernels' choices by vendor, each measured on one kind of CPU only. Intel: four streams a thread
-// for one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: two
-// streams for one or two rows, where four crowd its prefetchers, and every stream reads ahead (`kAheadLines`): on
-// a 2-core EPYC (family 26) the int8 head reads 7-8% faster at one row with two streams, 20-25% at two; the
-// read-ahead takes a batch-1 step 5-10% further, the head at four and eight rows 10-20%.
+// for one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: every
+// stream reads ahead (`kAheadLines`; a batch-1 step 5-10% further, the head at four and eight rows 10-20%), and
+// with that one stream a thread for one row, two for two, where four crowd its prefetchers. On a 2-core EPYC
+// (family 26), batch-1 steps alternated with the previous two streams inside one process, rounds paired: 7% faster
+// in the minutes when the memory gives 70-80 GB/s (median ratio to the floor 1.37 against 1.48), 2% slower at 40-50
+// (1.16 against 1.13, within the noise); 128 lines ahead as good, 160 and 256 worse (1.6x) at 70-80 GB/s. Without
+// the read-ahead two streams a row had been 7-8% faster than one.
 inline bool amd() {
   static const bool is_amd = __builtin_cpu_is("amd");
   return is_amd;
@@ -137,7 +140,7 @@ inline bool amd() {
 template <Format F, typename T, int M, int S>
 void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
                  int64_t g1) {
-  if (amd()) vnni_rows<F, T, M, (S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
+  if (amd()) vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
   else vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1);
 }
 
