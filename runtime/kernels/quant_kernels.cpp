@@ -2,9 +2,9 @@
 // thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
 // core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
 // GB/s; four streams for one or two rows (on AMD, which reads ahead, one for one and two for two: `vnni_vendor`),
-// two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64
-// multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights
-// stay in the core's caches while its rows go by).
+// two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48
+// columns, one `vpdpbusd` for 64 multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked
+// GEMM runs on; a tile's weights stay in the core's caches while its rows go by).
 
 #include "quant.h"
 
@@ -128,10 +128,10 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
 // for one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: every
 // stream reads ahead (`kAheadLines`; a batch-1 step 5-10% further, the head at four and eight rows 10-20%), and
 // with that one stream a thread for one row, two for two, where four crowd its prefetchers. On a 2-core EPYC
-// (family 26), batch-1 steps alternated with the previous two streams inside one process, rounds paired: 7% faster
-// in the minutes when the memory gives 70-80 GB/s (median ratio to the floor 1.37 against 1.48), 2% slower at 40-50
-// (1.16 against 1.13, within the noise); 128 lines ahead as good, 160 and 256 worse (1.6x) at 70-80 GB/s. Without
-// the read-ahead two streams a row had been 7-8% faster than one.
+// (family 26), batch-1 steps alternated with the previous two streams inside one process, rounds paired: 7-13%
+// faster in the minutes when the memory gives 70-80 GB/s (median ratio to the floor 1.37 against 1.48, 1.33 against
+// 1.52), 1-2% slower at 40-50 (1.16 against 1.13, within the noise); 128 lines ahead as good, 160 and 256 worse
+// (1.6x) at 70-80 GB/s. Without the read-ahead two streams a row had been 7-8% faster than one.
 inline bool amd() {
   static const bool is_amd = __builtin_cpu_is("amd");
   return is_amd;
