@@ -4,7 +4,8 @@ On CPU this is a static-buffer replay: each captured size owns persistent input 
 positions, write locations) whose addresses never change, and a replay copies the live batch into them and
 runs the model over them. That reproduces the hazard of CUDA graphs that matters here: the translation
 cache sees the same `(data_ptr, numel)` key on every replay while the contents change.
-CUDA graphs proper are not implemented yet (no GPU was available to build and test them).
+On a GPU the same replay runs (checked on an H100, docs/performance.md "On a GPU"), but CUDA graphs proper
+are not implemented yet: each replay still launches every kernel, and a decode step is launch-bound there.
 
 - `StaticGraphRunner`: decode, one token per request, per captured batch size bs.
 - `StaticVerifyRunner`: speculative verify forwards, per (bs, K): room for bs requests of K + 1 tokens (the

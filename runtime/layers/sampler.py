@@ -90,7 +90,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> l
     (id, log probability) pairs, from a float32 log_softmax of the raw logits (before temperature, top-k and
     top-p: the model's own distribution, as vLLM reports by default)."""
     logp = torch.log_softmax(logits.float(), dim=-1)  # (B, vocab)
-    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()
+    chosen = logp.gather(1, torch.tensor(tokens, dtype=torch.int64, device=logp.device)[:, None])[:, 0].tolist()
     k = max(top, default=0)
     values, ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())  # (B, k)
     values, ids = values.tolist(), ids.tolist()

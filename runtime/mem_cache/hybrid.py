@@ -135,7 +135,7 @@ class HybridAllocator:
         when every token on it is among `full_locs`; the rest stay mapped. Returns SWA slots freed. `site`
         as for `free` (the prefix cache's tombstones say `prefix_tombstone`)."""
         check_locations(full_locs, self.full_rows, allow_reserved=False, page_size=self.page_size)
-        full_locs = full_locs.long()
+        full_locs = full_locs.long().to(self.device)  # masked below by the mapping's values: one device
         swa_locs = self.full_to_swa_index_mapping[full_locs]
         mapped = swa_locs > 0
         full_locs, swa_locs = full_locs[mapped], swa_locs[mapped]

@@ -124,9 +124,9 @@ class MappingRecord:
         rows_clean = rows is None or torch.equal(mapping.index_select(0, rows), self.values.index_select(0, rows))
         finding = None
         if not (stripe_clean and rows_clean):
-            candidates = [] if stripe_clean else [torch.arange(window.start, window.stop)]
+            candidates = [] if stripe_clean else [torch.arange(window.start, window.stop, device=mapping.device)]
             if not rows_clean:
-                candidates.append(rows.long())
+                candidates.append(rows.long().to(mapping.device))
             candidates = torch.cat(candidates).unique()  # ascending
             differ = candidates[mapping[candidates] != self.values[candidates]]
             first = int(differ[0])

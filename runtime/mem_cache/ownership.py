@@ -39,6 +39,12 @@ _PLUMBING = tuple(os.sep + os.path.join("mem_cache", name) for name in
 _MAX_FRAMES = 8
 
 
+def host_array(t: torch.Tensor):
+    """The values of `t` as a numpy array: a view on the CPU, a copy from a GPU (the ledger lives on the host
+    whatever device the pools are on)."""
+    return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
+
+
 def caller_path() -> str:
     """`Caller.method via Entry.method`: the nearest frame outside the memory plumbing and the plumbing call it
     made. At most a few frames are looked at (no stack walk, no source read)."""
@@ -96,15 +102,15 @@ class SlotLedger:
         self.set(slots, FREE, -1, code)
 
     def set(self, slots: torch.Tensor, owner, pos, code: int) -> None:
-        """`owner` and `pos`: an int for every slot, or a tensor of one per slot."""
-        index = slots.numpy()
-        self._owner[index] = owner.numpy() if isinstance(owner, torch.Tensor) else owner
-        self._pos[index] = pos.numpy() if isinstance(pos, torch.Tensor) else pos
+        """`owner` and `pos`: an int for every slot, or a tensor of one per slot (on any device)."""
+        index = host_array(slots)
+        self._owner[index] = host_array(owner) if isinstance(owner, torch.Tensor) else owner
+        self._pos[index] = host_array(pos) if isinstance(pos, torch.Tensor) else pos
         self._path[index] = code
         self._forward[index] = self.ledger.forward_id
 
     def side_changed(self, full_slots: torch.Tensor, code: int) -> None:
-        index = full_slots.numpy()
+        index = host_array(full_slots)
         index = index[index > 0]
         self._side_path[index] = code
         self._side_forward[index] = self.ledger.forward_id
@@ -158,7 +164,7 @@ class OwnershipLedger:
         """A registered mapping changed the SWA slot of full slots `rows`: each mapped one owns its new slot."""
         rows = rows[mapping[rows] > 0]
         if rows.numel():
-            self.mapped(rows, mapping[rows])
+            self.mapped(rows, mapping[rows])  # the mapping's device; `set` takes its values to the host
 
     def claim(self, locs: torch.Tensor, rows: torch.Tensor | int, positions: torch.Tensor,
               labels: dict[int, str] | None = None) -> None:

@@ -47,12 +47,13 @@ def setup(request):
     return config, state, prompts, hf, greedy
 
 
-def run(setup, **cfg):
+def run(setup, device="cpu", **cfg):
     config, state, prompts, hf, greedy = setup
     # No prefix cache: the checks below count every gather and expect the pools empty after the run.
     cfg = EngineConfig(model="tiny", max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=12,
-                       max_running_requests=4, graph_batch_sizes=(1, 2, 4), disable_prefix_caching=True, **cfg)
-    engine = Engine(cfg, model=build_model(config, state, torch.float32), tokenizer=ByteTokenizer())
+                       max_running_requests=4, graph_batch_sizes=(1, 2, 4), disable_prefix_caching=True,
+                       device=device, **cfg)
+    engine = Engine(cfg, model=build_model(config, state, torch.float32, device=device), tokenizer=ByteTokenizer())
     logits = []
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), logits_out=logits)
     return engine, outs, logits
@@ -103,3 +104,38 @@ def test_triton_backend_matches_transformers(setup, policy, graphs, page_size):
     engine, outs, logits = run(setup, loc_cache=policy, graphs=graphs, page_size=page_size,
                                attention_backend="triton")
     check(setup, engine, outs, logits)
+
+
+# On a GPU the same runs go through CUDA tensors and Triton's compiled kernels (no interpreter). CI has no GPU:
+# these run where one is lent (docs/performance.md, "On a GPU").
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("policy", ["memo", "per_forward", "off"])
+def test_cuda_matches_transformers(setup, policy, graphs, backend):
+    engine, outs, logits = run(setup, device="cuda", loc_cache=policy, graphs=graphs, page_size=4,
+                               attention_backend=backend)
+    check(setup, engine, outs, logits)
+    assert engine.pool.allocator.full_to_swa_index_mapping.device.type == "cuda"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_prefix_cache_and_strict_sanitizer(setup, backend):
+    """The same prompts twice on CUDA with the prefix cache on (the second pass reads the cached slots where a
+    prompt's window was kept; windows leave tombstones) and every KV access checked: the same greedy tokens,
+    no non-benign event."""
+    config, state, prompts, hf, greedy = setup
+    cfg = EngineConfig(model="tiny", max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=12,
+                       max_running_requests=4, graph_batch_sizes=(1, 2, 4), page_size=4, device="cuda",
+                       attention_backend=backend, kv_sanitizer="strict")
+    engine = Engine(cfg, model=build_model(config, state, torch.float32, device="cuda"), tokenizer=ByteTokenizer())
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert engine.generate(prompts, params) == greedy
+    assert engine.generate(prompts, params) == greedy
+    t = engine.stats.translation
+    assert {k: v for k, v in t.key_change_counts.items() if v and k[1] in NON_BENIGN_CLASSIFICATIONS} == {}
+    if config.sliding_window > min(PROMPT_LENS) + NEW_TOKENS:  # a short prompt kept its window: a cache hit
+        assert engine.stats.prefix_cache.hit_tokens > 0
