@@ -74,6 +74,11 @@ async def collect_all(streams: Sequence, tokenizer, stops: tuple[str, ...]) -> l
 async def merge(streams: Sequence, tokenizer, stops: tuple[str, ...]) -> AsyncIterator[tuple[int, TextPiece]]:
     """(choice index, piece) as each choice's text arrives. Ends when every choice has ended; closing it
     early (the client left) cancels the readers, whose `async with` aborts their requests."""
+    if len(streams) == 1:  # the common case: read in place, without a task and a queue hop per token
+        async with streams[0] as stream:
+            async for piece in text_pieces(stream, tokenizer, stops):
+                yield 0, piece
+        return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
 

@@ -91,6 +91,7 @@ class RequestStream:
         self._queue = queue
         self._timeout_s = timeout_s
         self._deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._timer: asyncio.TimerHandle | None = None  # the deadline, armed at the first wait
         self.output_ids: list[int] = []
         self.output_logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
@@ -121,16 +122,28 @@ class RequestStream:
             final = next((f for f in items if isinstance(f, _Final)), None)
             if final is not None:
                 self.finish_reason, self.message = final.reason, final.message
+                self._disarm()
             yield StreamEvent(tokens, self.finish_reason, self.message, logprobs)
 
     async def _next(self) -> int | _Final:
-        if self._deadline is None:
-            return await self._queue.get()
-        try:
-            return await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        # One timer for the whole request, not a `wait_for` per token: that costs a task and a timer handle
+        # each time, on the event loop that shares the CPU with the engine.
+        if self._deadline is not None and self._timer is None:
+            loop = asyncio.get_running_loop()
+            self._timer = loop.call_at(loop.time() + max(0.0, self._deadline - time.monotonic()), self._time_out)
+        return await self._queue.get()
+
+    def _time_out(self) -> None:
+        """The deadline passed with the request unfinished: abort it; the stream ends with `timeout`, after
+        whatever tokens had already arrived."""
+        if not self.finished:
             self._engine_loop.abort(self.rid)
-            return _Final("timeout", timeout_message(self._timeout_s))
+            self._queue.put_nowait(_Final("timeout", timeout_message(self._timeout_s)))
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def collect(self) -> "RequestStream":
         async for _ in self:
@@ -138,6 +151,7 @@ class RequestStream:
         return self
 
     def abort(self, reason: str = "abort") -> None:
+        self._disarm()
         if not self.finished:
             self._engine_loop.abort(self.rid, reason)
 
