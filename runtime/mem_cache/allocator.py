@@ -13,7 +13,7 @@ from collections import deque
 
 import torch
 
-from runtime.int_tensors import bounds, int_tensor
+from runtime.int_tensors import SMALL, bounds, int_tensor
 from runtime.mem_cache.paths import PAGED_ALLOCATOR_PATHS
 
 
@@ -144,6 +144,9 @@ class PagedAllocator:
     def _pages_of(self, locs: torch.Tensor) -> list[int]:
         """Validated, de-duplicated pages of `locs` (sorted)."""
         check_locations(locs, self.size + self.page_size, allow_reserved=False, page_size=self.page_size)
+        if locs.numel() <= SMALL:  # a decode step's few slots: the division in Python, not a torch operation
+            ps = self.page_size
+            return sorted({v // ps for v in locs.reshape(-1).tolist()})
         return sorted(set((locs.cpu() // self.page_size).tolist()))
 
 

@@ -138,7 +138,8 @@ class HybridAllocator:
         full_locs = full_locs.long().to(self.device)  # masked below by the mapping's values: one device
         swa_locs = self.full_to_swa_index_mapping[full_locs]
         mapped = swa_locs > 0
-        full_locs, swa_locs = full_locs[mapped], swa_locs[mapped]
+        if not bool(mapped.all()):  # usually every one is mapped: no masking then
+            full_locs, swa_locs = full_locs[mapped], swa_locs[mapped]
         if swa_locs.numel() == 0:
             return 0
         ps = self.page_size

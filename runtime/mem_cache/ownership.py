@@ -24,9 +24,9 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import torch
 
-from runtime.int_tensors import int_tensor
 
 FREE = 0
 TREE = -1  # held by the prefix cache
@@ -39,9 +39,11 @@ _PLUMBING = tuple(os.sep + os.path.join("mem_cache", name) for name in
 _MAX_FRAMES = 8
 
 
-def host_array(t: torch.Tensor):
-    """The values of `t` as a numpy array: a view on the CPU, a copy from a GPU (the ledger lives on the host
-    whatever device the pools are on)."""
+def host_array(t: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The values of `t` as a numpy array: itself, a view of a CPU tensor, a copy of a GPU one (the ledger
+    lives on the host whatever device the pools are on)."""
+    if isinstance(t, np.ndarray):
+        return t
     return t.numpy() if t.device.type == "cpu" else t.cpu().numpy()
 
 
@@ -81,11 +83,13 @@ class SlotLedger:
                                                                                  self.forward))
         self._side_path, self._side_forward = self.side_path.numpy(), self.side_forward.numpy()
 
-    def slots_of(self, pages: list[int]) -> torch.Tensor:
-        page_t = int_tensor(pages)
+    def slots_of(self, pages: list[int]) -> np.ndarray:
+        """The slots of `pages`, as numpy indices: the allocator calls on every step, and a few numpy
+        operations cost a fraction of the torch ones on arrays this small."""
+        page_a = np.array(pages, dtype=np.int64)
         if self.page_size == 1:
-            return page_t
-        return (page_t[:, None] * self.page_size + torch.arange(self.page_size)[None, :]).reshape(-1)
+            return page_a
+        return (page_a[:, None] * self.page_size + np.arange(self.page_size)[None, :]).reshape(-1)
 
     def taken(self, pages: list[int]) -> None:
         """Pages handed out by the allocator: unclaimed until a token gets them."""
@@ -98,18 +102,18 @@ class SlotLedger:
             return
         slots, code = self.slots_of(pages), self.ledger.stamp()
         if self is self.ledger.swa:
-            self.ledger.full.side_changed(self.owner[slots], code)
+            self.ledger.full.side_changed(self._owner[slots], code)
         self.set(slots, FREE, -1, code)
 
-    def set(self, slots: torch.Tensor, owner, pos, code: int) -> None:
-        """`owner` and `pos`: an int for every slot, or a tensor of one per slot (on any device)."""
+    def set(self, slots: torch.Tensor | np.ndarray, owner, pos, code: int) -> None:
+        """`owner` and `pos`: an int for every slot, or a tensor (on any device) or array of one per slot."""
         index = host_array(slots)
-        self._owner[index] = host_array(owner) if isinstance(owner, torch.Tensor) else owner
-        self._pos[index] = host_array(pos) if isinstance(pos, torch.Tensor) else pos
+        self._owner[index] = host_array(owner) if isinstance(owner, (torch.Tensor, np.ndarray)) else owner
+        self._pos[index] = host_array(pos) if isinstance(pos, (torch.Tensor, np.ndarray)) else pos
         self._path[index] = code
         self._forward[index] = self.ledger.forward_id
 
-    def side_changed(self, full_slots: torch.Tensor, code: int) -> None:
+    def side_changed(self, full_slots: torch.Tensor | np.ndarray, code: int) -> None:
         index = host_array(full_slots)
         index = index[index > 0]
         self._side_path[index] = code
