@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -109,9 +110,9 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
       check_slot(slot, s.S);
       kr[kk] = kb + (slot * s.Hkv + c.kh) * D;
     }
-    for (int64_t ja = j0 + kAhead; ja < std::min(j0 + kAhead + KJ, len); ++ja) {
+    for (int64_t ja = j0 + kAhead; c.cold && ja < std::min(j0 + kAhead + KJ, len); ++ja) {
       prefetch_bytes(kb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
-      if (c.cold) prefetch_bytes(vb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
+      prefetch_bytes(vb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
     }
     __m512 dot[16];
     for (int i = 0; i < 16; ++i) dot[i] = _mm512_setzero_ps();
@@ -139,6 +140,10 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
     running = _mm512_max_ps(running, summed);
     _mm512_store_ps(scores, summed);
     const int64_t live = std::min<int64_t>(KJ, len - j0);
+    if (s.softcap <= 0.f && live == KJ) {  // every key real, no capping: each head's scores copied as they are
+      for (int g = 0; g < G; ++g) std::memcpy(p + g * len + j0, scores + g * KJ, KJ * sizeof(float));
+      continue;
+    }
     for (int g = 0; g < G; ++g) {
       for (int64_t kk = 0; kk < live; ++kk) {
         const float score = scores[g * KJ + kk];
