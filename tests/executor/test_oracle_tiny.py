@@ -47,13 +47,18 @@ def setup(request):
     return config, state, prompts, hf, greedy
 
 
+def make_engine(setup, device="cpu", **cfg) -> Engine:
+    config, state = setup[0], setup[1]
+    # No prefix cache unless asked: the checks below count every gather and expect the pools empty after a run.
+    defaults = dict(model="tiny", max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=12,
+                    max_running_requests=4, graph_batch_sizes=(1, 2, 4), disable_prefix_caching=True, device=device)
+    return Engine(EngineConfig(**(defaults | cfg)), model=build_model(config, state, torch.float32, device=device),
+                  tokenizer=ByteTokenizer())
+
+
 def run(setup, device="cpu", **cfg):
-    config, state, prompts, hf, greedy = setup
-    # No prefix cache: the checks below count every gather and expect the pools empty after the run.
-    cfg = EngineConfig(model="tiny", max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=12,
-                       max_running_requests=4, graph_batch_sizes=(1, 2, 4), disable_prefix_caching=True,
-                       device=device, **cfg)
-    engine = Engine(cfg, model=build_model(config, state, torch.float32, device=device), tokenizer=ByteTokenizer())
+    prompts = setup[2]
+    engine = make_engine(setup, device, **cfg)
     logits = []
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True), logits_out=logits)
     return engine, outs, logits
@@ -107,9 +112,8 @@ def test_triton_backend_matches_transformers(setup, policy, graphs, page_size):
 
 
 # On a GPU the same runs go through CUDA tensors and Triton's compiled kernels (no interpreter). CI has no GPU:
-# these run where one is lent (docs/performance.md, "On a GPU").
+# `gpu` tests skip there (tests/conftest.py) and run where one is lent (docs/performance.md, "On a GPU").
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
 @pytest.mark.parametrize("policy", ["memo", "per_forward", "off"])
@@ -121,17 +125,14 @@ def test_cuda_matches_transformers(setup, policy, graphs, backend):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_prefix_cache_and_strict_sanitizer(setup, backend):
     """The same prompts twice on CUDA with the prefix cache on (the second pass reads the cached slots where a
     prompt's window was kept; windows leave tombstones) and every KV access checked: the same greedy tokens,
     no non-benign event."""
     config, state, prompts, hf, greedy = setup
-    cfg = EngineConfig(model="tiny", max_total_tokens=256, swa_full_tokens_ratio=0.5, chunked_prefill_size=12,
-                       max_running_requests=4, graph_batch_sizes=(1, 2, 4), page_size=4, device="cuda",
-                       attention_backend=backend, kv_sanitizer="strict")
-    engine = Engine(cfg, model=build_model(config, state, torch.float32, device="cuda"), tokenizer=ByteTokenizer())
+    engine = make_engine(setup, "cuda", page_size=4, attention_backend=backend, kv_sanitizer="strict",
+                         disable_prefix_caching=False)
     params = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert engine.generate(prompts, params) == greedy
     assert engine.generate(prompts, params) == greedy
