@@ -129,8 +129,8 @@ class RequestStream:
         # One timer for the whole request, not a `wait_for` per token: that costs a task and a timer handle
         # each time, on the event loop that shares the CPU with the engine.
         if self._deadline is not None and self._timer is None:
-            loop = asyncio.get_running_loop()
-            self._timer = loop.call_at(loop.time() + max(0.0, self._deadline - time.monotonic()), self._time_out)
+            delay = max(0.0, self._deadline - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._time_out)
         return await self._queue.get()
 
     def _time_out(self) -> None:
