@@ -1,12 +1,14 @@
 // The low-bit kernels over quant.cpp's layouts, on AVX512-VNNI: up to 8 rows streamed (`Projection::run`: each
 // thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
 // core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
-// GB/s; four streams for one or two rows (on AMD, which reads ahead, one for one and two for two: `vnni_vendor`),
-// two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48
+// GB/s; four streams for one or two rows (on AMD, which reads ahead, two for two rows, and for one row one on Zen 5,
+// four without read-ahead on Zen 4: `vnni_vendor`), two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48
 // columns, one `vpdpbusd` for 64 multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked
 // GEMM runs on; a tile's weights stay in the core's caches while its rows go by).
 
 #include "quant.h"
+
+#include <cpuid.h>
 
 #include <algorithm>
 
@@ -124,24 +126,37 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
   }
 }
 
-// The streaming kernels' choices by vendor, each measured on one kind of CPU only. Intel: four streams a thread
-// for one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: every
+// The streaming kernels' choices by kind of CPU, each measured on one kind only. Intel: four streams a thread for
+// one or two rows (a Xeon read a 168 MB head at 36-40 GB/s with four, 16 with one), no read-ahead. AMD: every
 // stream reads ahead (`kAheadLines`; a batch-1 step 5-10% further, the head at four and eight rows 10-20%), and
-// with that one stream a thread for one row, two for two, where four crowd its prefetchers. On a 2-core EPYC
-// (family 26), batch-1 steps alternated with the previous two streams inside one process, rounds paired: 7-13%
-// faster in the minutes when the memory gives 70-80 GB/s (median ratio to the floor 1.37 against 1.48, 1.33 against
-// 1.52), 1-2% slower at 40-50 (1.16 against 1.13, within the noise); 128 lines ahead as good, 160 and 256 worse
-// (1.6x) at 70-80 GB/s. Without the read-ahead two streams a row had been 7-8% faster than one.
-inline bool amd() {
-  static const bool is_amd = __builtin_cpu_is("amd");
-  return is_amd;
+// with that two streams a thread for two rows, where four crowd its prefetchers. For one row the two AMD families
+// measured part ways:
+// - Zen 5 (family 0x1A, a 2-core EPYC): one stream reading ahead. Batch-1 steps alternated with two streams inside
+//   one process, rounds paired: 7-13% faster when the memory gives 70-80 GB/s (median ratio to the floor 1.37
+//   against 1.48, 1.33 against 1.52), 1-2% slower at 40-50 (within the noise); 128 lines ahead as good as 96, 160
+//   and 256 worse (1.6x) at 70-80 GB/s.
+// - Zen 4 (family 0x19, a 2-core EPYC): four streams without read-ahead, as on Intel. The head alone at 0.93-0.95
+//   of the probed bandwidth against 0.76-0.78 at ~33 GB/s, 0.77-0.82 against 0.53 at ~57; batch-1 steps alternated
+//   inside one process, 12 rounds at 57-66 GB/s: median 1.67x the floor against 2.24x. Reading ahead with four
+//   streams (16, 32 or 96 lines) or two streams without it: 3-15% slower heads. At two to eight rows the AMD
+//   setting above stays ahead (the head at 0.81 against 0.64 of the probe at two rows, 0.51 against 0.41 at eight).
+inline int amd_family() {  // 0 when not AMD
+  static const int family = [] {
+    if (!__builtin_cpu_is("amd")) return 0;
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 0;
+    const unsigned base = (eax >> 8) & 0xf;
+    return static_cast<int>(base == 0xf ? base + ((eax >> 20) & 0xff) : base);
+  }();
+  return family;
 }
 
 template <Format F, typename T, int M, int S>
 void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
                  int64_t g1) {
-  if (amd()) vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
-  else vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1);
+  const int family = amd_family();
+  if (family == 0 || (M == 1 && family < 0x1a)) vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1);
+  else vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
 }
 
 // The row count as a template argument, with the streams the registers allow for it.
