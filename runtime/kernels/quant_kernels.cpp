@@ -2,9 +2,10 @@
 // thread walks S groups of rows in lockstep, so that S separate streams of weights are in flight: one stream per
 // core reads at about half the memory's pace (16 GB/s for a 168 MB head with 2 threads on a Xeon), four at 36-40
 // GB/s; four streams for one or two rows (on AMD, which reads ahead, two for two rows, and for one row one on Zen 5,
-// four without read-ahead on Zen 4: `vnni_vendor`), two for three or four, one beyond, as the registers allow), more in tiles (`Projection::run_tiled`: 4 rows by 48
-// columns, one `vpdpbusd` for 64 multiply-adds, twice the rate of the bfloat16 `vdpbf16ps` that oneDNN's prepacked
-// GEMM runs on; a tile's weights stay in the core's caches while its rows go by).
+// four without read-ahead on Zen 4: `vnni_vendor`), two for three or four, one beyond, as the registers allow),
+// more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64 multiply-adds, twice the rate
+// of the bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights stay in the core's caches while
+// its rows go by).
 
 #include "quant.h"
 
@@ -138,7 +139,7 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
 // - Zen 4 (family 0x19, a 2-core EPYC): four streams without read-ahead, as on Intel. The head alone at 0.93-0.95
 //   of the probed bandwidth against 0.76-0.78 at ~33 GB/s, 0.77-0.82 against 0.53 at ~57; batch-1 steps alternated
 //   inside one process, 12 rounds at 57-66 GB/s: median 1.67x the floor against 2.24x. Reading ahead with four
-//   streams (16, 32 or 96 lines) or two streams without it: 3-15% slower heads. At two to eight rows the AMD
+//   streams (16, 32 or 96 lines) or two streams without it: 2-15% slower heads. At two to eight rows the AMD
 //   setting above stays ahead (the head at 0.81 against 0.64 of the probe at two rows, 0.51 against 0.41 at eight).
 inline int amd_family() {  // 0 when not AMD
   static const int family = [] {
