@@ -24,6 +24,7 @@ from runtime.int_tensors import int_tensor
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
+from runtime.layers.quantized import set_head_screen
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch
@@ -68,6 +69,7 @@ class Engine:
                              "compile_layers=...)")
         if model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
+        self.lm_head_screened = set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)

@@ -3,7 +3,8 @@
 A batch-1 decode step multiplies one row by every weight of the model once, so on a CPU it is bound by how
 fast the weights stream from memory: (bytes read per step) / (read bandwidth) is the floor for its time.
 `decode_weight_bytes` counts the bytes of the copy each layer actually multiplies with at `rows` rows (the
-int8 LM head below its row limit, the float head above; int8 weight-only layers; the projections'
+int8 LM head below its row limit (its 4-bit screen at decode's rows where screened, the groups refined in 8 bits
+not counted), the float head above; int8 weight-only layers; the projections'
 int4/int8 decode copies below their row limits; the model's dtype otherwise; one embedding row per token), and
 `read_bandwidth` measures the rate at which this process can stream a buffer far larger than the caches, with
 the threads torch uses. `swa-runtime bench` prints both and the fraction of that floor a measured step
@@ -18,6 +19,7 @@ import time
 import torch
 from torch import nn
 
+from runtime.layers.head_screen import SCREEN_MAX_ROWS
 from runtime.layers.linear import Embedding, Linear
 from runtime.layers.quantized import Int8Embedding, _Int8Rows
 
@@ -34,6 +36,9 @@ def _head_bytes(module: nn.Module, rows: int) -> int:
         return _int8_bytes(module)
     copy = getattr(module, "int8", None)
     if copy is not None and rows <= copy.max_rows:
+        screen = getattr(copy, "screen", None)
+        if screen is not None and rows <= SCREEN_MAX_ROWS:  # its 4-bit copy (the few groups refined in 8 bits aside)
+            return screen.nbytes()
         if copy.vnni_weight is not None:  # our kernel's layout: its own count (per-block scales, if any)
             return copy.vnni_weight.nbytes()
         w = module.weight

@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("int4", &Projection::int4, "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q")
       .def("matmul", &Projection::matmul, pybind11::arg("x"), pybind11::arg("float_out") = false,
            "x (M, K) times the weight's transpose, up to 8 rows streamed, more in tiles: (M, N) in x's dtype, or float32")
+      .def("refine", &Projection::refine, pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("margin"),
+           "y (M, N) float32, a screen's approximate x @ W^T: each group of 16 columns with a value within margin of "
+           "its row's largest recomputed as matmul computes it, in place; returns how many groups")
       .def_property_readonly("out_features", &Projection::out_features)
       .def_property_readonly("in_features", &Projection::in_features)
       .def_property_readonly("nbytes", &Projection::nbytes)

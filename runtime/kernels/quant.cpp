@@ -178,4 +178,19 @@ at::Tensor Projection::matmul(const at::Tensor& x, bool float_out) const {
   return y;
 }
 
+int64_t Projection::refine(const at::Tensor& x, const at::Tensor& y, double margin) const {
+  check_float_or_bf16(x, "x");
+  TORCH_CHECK(format_ != Format::kInt4, "refine recomputes with an int8 weight; this one is int4");
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K_, "x must be (M, ", K_,
+              ") with M in 1..", kMaxRows, ", got ", x.sizes());
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
+                  y.size(1) == N_,
+              "y must be contiguous float32 (", x.size(0), ", ", N_, "), got ", y.sizes());
+  TORCH_CHECK(margin >= 0, "margin must not be negative, got ", margin);
+  QuantizedRows xq;
+  const auto xc = x.contiguous();
+  with_float_type(xc.scalar_type(), [&](auto tag) { xq.quantize(data_of<decltype(tag)>(xc), xc.size(0), K_); });
+  return refine_groups(xq, y.data_ptr<float>(), static_cast<float>(margin));
+}
+
 }  // namespace swa

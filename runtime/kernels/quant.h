@@ -49,6 +49,11 @@ class Projection {
   void run(const QuantizedRows& x, T* y) const;  // y (x.M <= 8, N), threads from ATen's pool
   template <typename T>
   void run_tiled(const QuantizedRows& x, T* y) const;  // y (x.M, N): prefill's many rows
+  // y (M, N) float32 holds a screen's approximate sums of x @ W^T (a coarser copy of this weight): every group of 16
+  // columns with a value within `margin` of its row's largest is recomputed here exactly, as `matmul` computes it.
+  // Returns the number of groups recomputed. For int8 weights, up to kMaxRows rows.
+  int64_t refine(const at::Tensor& x, const at::Tensor& y, double margin) const;
+  int64_t refine_groups(const QuantizedRows& x, float* y, float margin) const;
 
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }

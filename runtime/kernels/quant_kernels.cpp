@@ -12,6 +12,7 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "vecmath.h"
 
@@ -45,9 +46,10 @@ inline void store_group(T* y, int64_t first, __m512 v) {
 // 5.2-5.6 ms, within the noise at 40-50 GB/s; 64 between them, 128 no better than 96).
 constexpr int64_t kAheadLines = 96;
 
+// Groups g0..g1 of 16 columns, or with `list` the groups list[g0..g1] (refine's scattered ones), in S streams.
 template <Format F, typename T, int M, int S, bool kAhead>
 void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
-               int64_t g1) {
+               int64_t g1, const int64_t* list) {
   const int64_t K = x.K, blocks = K / kBlock;
   constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;  // 64-byte lines per 16 rows and block
   const int64_t group_bytes = blocks * kLines * 64;
@@ -59,7 +61,7 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
     int live = 0;
     for (int st = 0; st < S; ++st) {
       const int64_t g = g0 + st * per + i;
-      if (g < g1) gs[live++] = g;
+      if (g < g1) gs[live++] = list != nullptr ? list[g] : g;
     }
     __m512 acc[S][M];
     for (int st = 0; st < live; ++st)
@@ -154,25 +156,25 @@ inline int amd_family() {  // 0 when not AMD
 
 template <Format F, typename T, int M, int S>
 void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
-                 int64_t g1) {
+                 int64_t g1, const int64_t* list) {
   const int family = amd_family();
-  if (family == 0 || (M == 1 && family < 0x1a)) vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1);
-  else vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1);
+  if (family == 0 || (M == 1 && family < 0x1a)) vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1, list);
+  else vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1, list);
 }
 
 // The row count as a template argument, with the streams the registers allow for it.
 template <Format F, typename T>
 void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
-                   int64_t g0, int64_t g1) {
+                   int64_t g0, int64_t g1, const int64_t* list = nullptr) {
   switch (M) {
-    case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1); break;
-    case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1); break;
-    case 3: vnni_vendor<F, T, 3, 2>(w, sc, x, y, N, g0, g1); break;
-    case 4: vnni_vendor<F, T, 4, 2>(w, sc, x, y, N, g0, g1); break;
-    case 5: vnni_vendor<F, T, 5, 1>(w, sc, x, y, N, g0, g1); break;
-    case 6: vnni_vendor<F, T, 6, 1>(w, sc, x, y, N, g0, g1); break;
-    case 7: vnni_vendor<F, T, 7, 1>(w, sc, x, y, N, g0, g1); break;
-    default: vnni_vendor<F, T, 8, 1>(w, sc, x, y, N, g0, g1); break;
+    case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1, list); break;
+    case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1, list); break;
+    case 3: vnni_vendor<F, T, 3, 2>(w, sc, x, y, N, g0, g1, list); break;
+    case 4: vnni_vendor<F, T, 4, 2>(w, sc, x, y, N, g0, g1, list); break;
+    case 5: vnni_vendor<F, T, 5, 1>(w, sc, x, y, N, g0, g1, list); break;
+    case 6: vnni_vendor<F, T, 6, 1>(w, sc, x, y, N, g0, g1, list); break;
+    case 7: vnni_vendor<F, T, 7, 1>(w, sc, x, y, N, g0, g1, list); break;
+    default: vnni_vendor<F, T, 8, 1>(w, sc, x, y, N, g0, g1, list); break;
   }
 }
 
@@ -307,7 +309,55 @@ void Projection::run(const QuantizedRows& x, T* y) const {
   });
 }
 
+// The screen's rows scanned twice: each row's largest value (in pieces, one maximum a piece and row), then the groups
+// of 16 columns holding a value at or above that less the margin; the streaming kernel recomputes those groups from
+// their list, in its streams, with the same instructions in the same order as `run` (so the sums are `matmul`'s to
+// the bit), over the screen's values in place. All of them (a flat row) take about what `run` takes.
+int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin) const {
+  const int64_t M = x.M, N = N_, groups = N_ / 16;
+  constexpr int64_t kPieces = 64;
+  std::vector<float> top(kPieces * M, -std::numeric_limits<float>::infinity());
+  at::parallel_for(0, kPieces, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t g0 = groups * p / kPieces, g1 = groups * (p + 1) / kPieces;
+      for (int64_t m = 0; m < M; ++m) {
+        __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t g = g0; g < g1; ++g) best = _mm512_max_ps(best, _mm512_loadu_ps(y + m * N + g * 16));
+        top[p * M + m] = _mm512_reduce_max_ps(best);
+      }
+    }
+  });
+  std::vector<__m512> floor(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float best = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < kPieces; ++p) best = std::max(best, top[p * M + m]);
+    floor[m] = _mm512_set1_ps(best - margin);
+  }
+  std::vector<uint8_t> near(groups);
+  at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      __mmask16 any = 0;
+      for (int64_t m = 0; m < M; ++m) any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(y + m * N + g * 16), floor[m], _CMP_GE_OQ);
+      near[g] = any != 0;
+    }
+  });
+  std::vector<int64_t> chosen;
+  for (int64_t g = 0; g < groups; ++g)
+    if (near[g]) chosen.push_back(g);
+  const uint8_t* w = packed_.data_ptr<uint8_t>();
+  const float* sc = static_cast<const float*>(scales_.data_ptr());
+  at::parallel_for(0, static_cast<int64_t>(chosen.size()), 8, [&](int64_t i0, int64_t i1) {
+    if (format_ == Format::kInt8Block) vnni_dispatch<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    else vnni_dispatch<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
+  });
+  return static_cast<int64_t>(chosen.size());
+}
+
 #else
+
+int64_t Projection::refine_groups(const QuantizedRows&, float*, float) const {
+  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+}
 
 template <typename T>
 void Projection::run(const QuantizedRows&, T*) const {

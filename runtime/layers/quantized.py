@@ -31,7 +31,9 @@ input is the normalised final hidden state, is quantised this way: perplexity on
 +0.2% (batch 1) / -0.5% (8 rows), against +1.4% and +7.9% with every projection quantised the same way.
 Where the CPU has AVX512-VNNI the head runs on our int8 kernel instead (`runtime/kernels`, activations
 quantised per block of 32 values rather than one scale a call): 4.2-4.8 against 5.2-6.2 ms at one row, 10.4
-against 11.8 ms at eight; the int8-head decode path's perplexity +0.42% against float32.
+against 11.8 ms at eight; the int8-head decode path's perplexity +0.42% against float32. There, at one row, a
+coarse 4-bit copy of the head is read first and only the logits near the top are recomputed in int8
+(`runtime/layers/head_screen.py`, `--lm-head-screen`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ from torch import nn
 
 from runtime.layers.decode_linear import INT8_MAX, Int8DecodeWeight, force_decode_copies, quantize_per_channel
 from runtime import kernels
+from runtime.layers.head_screen import SCREEN_MAX_ROWS, HeadScreen
 from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
@@ -178,8 +181,12 @@ class DynamicInt8Weight:
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
         self.vnni_weight = copy if copy.projection is not None else None
         self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS)
+        # decode's rows read a coarse int4 copy and refine its top in 8 bits (`runtime/layers/head_screen.py`)
+        self.screen = None
         if self.vnni_weight is not None:
             self.max_rows = OUR_MAX_ROWS
+            if HeadScreen.wanted(weight):
+                self.screen = HeadScreen(weight, copy.projection)
             return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
         with warnings.catch_warnings():  # the quantized tensor API warns that it is deprecated
@@ -202,6 +209,8 @@ class DynamicInt8Weight:
                 and not torch.compiler.is_compiling())
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) float32
+        if self.screen is not None and x2.shape[0] <= SCREEN_MAX_ROWS:
+            return self.screen.logits(x2)
         if self.vnni_weight is not None:  # bfloat16 or float32 rows, quantised the same way
             return self.vnni_weight.matmul(x2, float_out=True)
         return torch.ops.quantized.linear_dynamic(x2.float(), self.packed, REDUCE_RANGE)
@@ -282,4 +291,19 @@ class Int8HeadLinear(Linear):
 
 def _rows_text(copy: DynamicInt8Weight | None) -> str:
     rows = DYNAMIC_MAX_ROWS if copy is None else copy.max_rows
-    return " for every row count" if rows >= EVERY_ROW else f" up to {rows} rows"
+    text = " for every row count" if rows >= EVERY_ROW else f" up to {rows} rows"
+    if copy is not None and copy.screen is not None:
+        text += f", screened in 4 bits up to {SCREEN_MAX_ROWS} row(s)"
+    return text
+
+
+def set_head_screen(model: nn.Module, on: bool) -> bool:
+    """Screen the int8 LM head's decode rows (`runtime/layers/head_screen.py`) or not; off drops the screen's copy
+    from this model for good (its memory back). Returns whether the head is screened now."""
+    head = model.model.embed_tokens if model.lm_head is None else model.lm_head
+    copy = getattr(head, "int8", None)
+    if copy is None or getattr(copy, "screen", None) is None:
+        return False
+    if not on:
+        copy.screen = None
+    return copy.screen is not None

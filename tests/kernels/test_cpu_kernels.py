@@ -370,6 +370,58 @@ def test_int4_projection_uses_the_4bit_weight_exactly(vnni, rows):
     assert (out.double() - exact).norm() / exact.norm() < 0.02  # the activations' blocks only
 
 
+def _near_top_groups(y: torch.Tensor, margin: float) -> torch.Tensor:
+    """(N / 16,) bool: the groups of 16 columns where some row holds a value within margin of that row's largest."""
+    near = y >= y.max(dim=1, keepdim=True).values - margin  # (M, N)
+    return near.view(y.shape[0], -1, 16).any(-1).any(0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("per_block", [True, False])
+def test_refine_recomputes_the_groups_near_each_rows_top_exactly(vnni, rows, per_block):
+    """A screen's values (here unrelated to the weight, so that only refine's choice can make them right): the groups
+    near a row's top become `matmul`'s sums to the bit, every other value is left as it was."""
+    torch.manual_seed(rows)
+    N, Kd, margin = 16 * 256, 128, 0.5
+    q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
+    scales = (torch.rand(N, Kd // 32) / 100).half().float() if per_block else torch.rand(N) / 100
+    weight = vnni.Projection.int8(q, scales)
+    x = torch.randn(rows, Kd).bfloat16()
+    exact = weight.matmul(x, float_out=True)
+    screen = torch.randn(rows, N)
+    chosen = _near_top_groups(screen, margin)
+    assert 0 < int(chosen.sum()) < N // 16 // 4  # a few groups: refine takes them one by one
+    y = screen.clone()
+    assert weight.refine(x, y, margin) == int(chosen.sum())
+    expected = torch.where(chosen.repeat_interleave(16)[None], exact, screen)
+    assert torch.equal(y, expected)
+
+
+def test_refine_of_a_flat_row_is_the_whole_matmul(vnni):
+    torch.manual_seed(5)
+    N, Kd = 16 * 32, 64
+    weight = vnni.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
+    x = torch.randn(2, Kd)
+    y = torch.zeros(2, N)  # every value at the top: every group near it
+    assert weight.refine(x, y, 0.0) == N // 16
+    assert torch.equal(y, weight.matmul(x, float_out=True))
+
+
+def test_refine_refuses_what_it_cannot_take(vnni):
+    weight = vnni.Projection.int8(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32))
+    with pytest.raises(RuntimeError, match="M in 1..8"):
+        weight.refine(torch.zeros(9, 64), torch.zeros(9, 32), 1.0)
+    with pytest.raises(RuntimeError, match="y must be contiguous float32"):
+        weight.refine(torch.zeros(1, 64), torch.zeros(1, 32).bfloat16(), 1.0)
+    with pytest.raises(RuntimeError, match="y must be contiguous float32"):
+        weight.refine(torch.zeros(1, 64), torch.zeros(1, 16), 1.0)
+    with pytest.raises(RuntimeError, match="margin"):
+        weight.refine(torch.zeros(1, 64), torch.zeros(1, 32), -1.0)
+    int4 = vnni.Projection.int4(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2), torch.zeros(32, 2))
+    with pytest.raises(RuntimeError, match="int8 weight"):
+        int4.refine(torch.zeros(1, 64), torch.zeros(1, 32), 1.0)
+
+
 def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
     with pytest.raises(RuntimeError, match="multiple of 16"):
         vnni.Projection.int8(torch.zeros(10, 64, dtype=torch.int8), torch.ones(10))

@@ -1,0 +1,72 @@
+"""A batch-1 decode step's LM head screened in 4 bits, refined in 8: the bytes of an int4 head, the int8 head's top.
+
+At one row the LM head is read, not computed: its 262144 x 640 int8 copy (Gemma 3 270M's Q8_0 table, 178 MB)
+is about half of a batch-1 step. A screen keeps the same table a second time as a coarse int4 copy (16 levels
+from each group of 32 weights' minimum to its maximum, a float32 step and offset per group: 126 MB) and the
+row reads that instead. The screen's logits are within a few units of the int8 ones (Gemma 3 270M on the
+reference text of `benchmarks/quality.py`: 0.29 on average, 2.4 at most), too coarse to serve as they are
+(perplexity +8.6%, top-1 agreement 84%); so every group of 16 tokens with a screened logit within
+`REFINE_MARGIN` of the row's largest is recomputed from the int8 copy by the int8 kernel itself
+(`Projection.refine`): those logits are the int8 head's to the bit.
+
+What changes against the int8 head alone: only logits more than `REFINE_MARGIN` below the row's largest stay
+screened, tokens at under e^-8 (3e-4) of the likeliest one's probability. The greedy token is the int8 head's
+whenever the screen errs by less than the margin there (2.4 at most, measured). `benchmarks/quality.py`, decode
+path: perplexity +0.32% against float32 (+0.03% unscreened), top-1 and free-running greedy agreement with
+transformers unchanged (96.6%, 61.7%). A flat row (the model unsure: one step in seven after the bench's
+random-id prompts) refines most groups and pays for both copies; a peaked one refines a few dozen. Margins 10
+and 12 refine more and were slower than none on the bench's prompts (`docs/performance.md`, "The LM head
+screened in 4 bits").
+
+`--lm-head-screen off` keeps the int8 head alone (every logit the int8 head's, e.g. for `logprobs` of rare tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime import kernels
+
+GROUP = 32  # weights per (step, offset), as the int4 kernel takes them
+LEVELS = 16
+REFINE_MARGIN = 8.0  # logits within this of a row's largest are the int8 head's (module docstring)
+# One row: a batch-1 decode step. With more, the rows' groups near their tops add up: on the bench's synthetic
+# prompts one row in seven is flat enough that nearly every group is refined, so at 4 rows half the steps paid
+# for both copies (the head at 4 rows 8.8 against 5.3 ms for the int8 head alone, at 8 rows 11.8 against 6.3).
+SCREEN_MAX_ROWS = 1
+
+
+def coarse_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q (N, K) int32 in 0..15, step (N, K/32), low (N, K/32)): each group of 32 weights rounded to the nearest of
+    16 levels evenly spaced from its minimum to its maximum (lossy, unlike `runtime.layers.int4.int4_grid`)."""
+    N, K = weight.shape
+    w = weight.float().reshape(-1, GROUP)
+    low, high = w.amin(-1), w.amax(-1)
+    step = (high - low) / (LEVELS - 1)
+    q = ((w - low[:, None]) / torch.where(step > 0, step, 1.0)[:, None]).round_().clamp_(0, LEVELS - 1)
+    return q.to(torch.int32).reshape(N, K), step.reshape(N, -1).contiguous(), low.reshape(N, -1).contiguous()
+
+
+class HeadScreen:
+    """A coarse int4 copy of an int8 head (our kernels' `Projection`) and the refinement through it."""
+
+    def __init__(self, weight: torch.Tensor, exact) -> None:
+        """`weight` (N, K) float, the head's values; `exact`: the int8 head's `Projection` (N, K)."""
+        self.exact = exact
+        self.coarse = kernels.load().Projection.int4(*coarse_int4(weight))
+        self.refined_groups = 0  # groups of 16 logits recomputed in 8 bits, since load (tests and benchmarks)
+
+    @staticmethod
+    def wanted(weight: torch.Tensor) -> bool:
+        """Where our int4 kernel runs (AVX512-VNNI) and the head's shape fits its layout."""
+        return (weight.device.type == "cpu" and kernels.has_vnni() and weight.dim() == 2
+                and weight.shape[0] % 16 == 0 and weight.shape[1] % GROUP == 0)
+
+    def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32, M <= SCREEN_MAX_ROWS
+        x2 = x2.contiguous()
+        out = self.coarse.matmul(x2, float_out=True)
+        self.refined_groups += self.exact.refine(x2, out, REFINE_MARGIN)
+        return out
+
+    def nbytes(self) -> int:
+        return self.coarse.nbytes
