@@ -21,10 +21,10 @@ from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
 from runtime.int_tensors import int_tensor
+from runtime.layers.quantized import set_head_screen
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
-from runtime.layers.quantized import set_head_screen
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch

@@ -181,7 +181,7 @@ class DynamicInt8Weight:
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
         self.vnni_weight = copy if copy.projection is not None else None
         self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS)
-        # decode's rows read a coarse int4 copy and refine its top in 8 bits (`runtime/layers/head_screen.py`)
+        # a batch-1 row reads a coarse int4 copy and refines its top in 8 bits (`runtime/layers/head_screen.py`)
         self.screen = None
         if self.vnni_weight is not None:
             self.max_rows = OUR_MAX_ROWS
