@@ -39,12 +39,20 @@ SCREEN_MAX_ROWS = 1
 def coarse_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q (N, K) int32 in 0..15, step (N, K/32), low (N, K/32)): each group of 32 weights rounded to the nearest of
     16 levels evenly spaced from its minimum to its maximum (lossy, unlike `runtime.layers.int4.int4_grid`)."""
+    parts = [_coarse_rows(rows) for rows in weight.split(LOAD_ROWS)]  # a slice at a time: load's memory stays low
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+LOAD_ROWS = 16384
+
+
+def _coarse_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     N, K = weight.shape
     w = weight.float().reshape(-1, GROUP)
     low, high = w.amin(-1), w.amax(-1)
     step = (high - low) / (LEVELS - 1)
     q = ((w - low[:, None]) / torch.where(step > 0, step, 1.0)[:, None]).round_().clamp_(0, LEVELS - 1)
-    return q.to(torch.int32).reshape(N, K), step.reshape(N, -1).contiguous(), low.reshape(N, -1).contiguous()
+    return q.to(torch.int32).reshape(N, K), step.reshape(N, -1), low.reshape(N, -1)
 
 
 class HeadScreen:
@@ -62,7 +70,7 @@ class HeadScreen:
         return (weight.device.type == "cpu" and kernels.has_vnni() and weight.dim() == 2
                 and weight.shape[0] % 16 == 0 and weight.shape[1] % GROUP == 0)
 
-    def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32, M <= SCREEN_MAX_ROWS
+    def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32; M <= 8 (refine's rows)
         x2 = x2.contiguous()
         out = self.coarse.matmul(x2, float_out=True)
         self.refined_groups += self.exact.refine(x2, out, REFINE_MARGIN)
