@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "auto"
     quantization: str = "auto"  # int8: weight-only int8 projections and LM head; int8-head: see decode_linear.py
     auto_reason: str | None = None  # what `auto` followed from, once `concrete()` resolved it (None: as given)
-    # int8-head on our kernels: decode rows read a coarse int4 copy of the head and refine its top in 8 bits
+    # int8-head on our kernels: a batch-1 step reads a coarse int4 copy of the head and refines its top in 8 bits
     # (runtime/layers/head_screen.py); off: the int8 head alone
     lm_head_screen: bool = True
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call

@@ -69,7 +69,7 @@ class Engine:
                              "compile_layers=...)")
         if model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
-        self.lm_head_screened = set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
+        set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)

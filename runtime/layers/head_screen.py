@@ -59,16 +59,11 @@ class HeadScreen:
     """A coarse int4 copy of an int8 head (our kernels' `Projection`) and the refinement through it."""
 
     def __init__(self, weight: torch.Tensor, exact) -> None:
-        """`weight` (N, K) float, the head's values; `exact`: the int8 head's `Projection` (N, K)."""
+        """`weight` (N, K) float, the head's values; `exact`: the int8 head's `Projection` (N, K), whose layout the
+        int4 one shares (N a multiple of 16, K of 32)."""
         self.exact = exact
         self.coarse = kernels.load().Projection.int4(*coarse_int4(weight))
         self.refined_groups = 0  # groups of 16 logits recomputed in 8 bits, since load (tests and benchmarks)
-
-    @staticmethod
-    def wanted(weight: torch.Tensor) -> bool:
-        """Where our int4 kernel runs (AVX512-VNNI) and the head's shape fits its layout."""
-        return (weight.device.type == "cpu" and kernels.has_vnni() and weight.dim() == 2
-                and weight.shape[0] % 16 == 0 and weight.shape[1] % GROUP == 0)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32; M <= 8 (refine's rows)
         x2 = x2.contiguous()

@@ -185,8 +185,7 @@ class DynamicInt8Weight:
         self.screen = None
         if self.vnni_weight is not None:
             self.max_rows = OUR_MAX_ROWS
-            if HeadScreen.wanted(weight):
-                self.screen = HeadScreen(weight, copy.projection)
+            self.screen = HeadScreen(weight, copy.projection)
             return
         zero = torch.zeros(scales.shape, dtype=torch.int64)
         with warnings.catch_warnings():  # the quantized tensor API warns that it is deprecated

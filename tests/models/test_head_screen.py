@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from runtime import kernels
-from runtime.layers import quantized
 from runtime.layers.head_screen import REFINE_MARGIN, SCREEN_MAX_ROWS, coarse_int4
 from runtime.layers.quantized import Int8HeadEmbedding, set_head_screen
 
@@ -77,4 +76,3 @@ def test_the_head_screens_its_rows_up_to_the_limit_and_not_when_switched_off():
         assert not set_head_screen(model_like, False) and head.int8.screen is None
         plain = head.logits(x[:SCREEN_MAX_ROWS])
     assert torch.equal(plain, int8.matmul(x[:SCREEN_MAX_ROWS], float_out=True))
-    assert quantized.DynamicInt8Weight.wanted(head.weight)
