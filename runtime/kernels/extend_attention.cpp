@@ -10,6 +10,12 @@ using namespace attention;
 
 namespace {
 
+// The i-th of n items taken first, last, second, second to last...: causal rows grow with the position, and
+// ATen hands each thread a contiguous range, so in order the last thread would get the longest rows (a 600-token
+// prompt: three quarters of the work on one of two threads). Zigzagged, a 600-token prompt's attention on a 2-core
+// Zen 4 EPYC took 49-52 ms against 66-70 (18 layers, bfloat16).
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // One query row per (token, kv head), its keys the range it sees: at and before its position, within the window
 // on sliding layers. The same chunk routine as decode, whole (no split: the rows are already many).
 template <typename T>
@@ -21,9 +27,11 @@ void attend_extend(const T* q, const T* kb, const T* vb, const int32_t* idx, con
     for (int64_t t = qptr[b]; t < qptr[b + 1]; ++t) request[t] = static_cast<int32_t>(b);
   const auto routine = chunk_routine<T>(s);
   const float pre = s.softcap > 0.f ? 1.f : s.scaling;
-  at::parallel_for(0, tokens * Hkv, 4, [&](int64_t i0, int64_t i1) {
+  const int64_t items = tokens * Hkv;
+  at::parallel_for(0, items, 4, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(G * D), acc(G * D), mx(G), l(G), p;
-    for (int64_t it = i0; it < i1; ++it) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t it = zigzag(i, items);
       const int64_t t = it / Hkv, kh = it % Hkv, b = request[t];
       const int64_t n = kptr[b + 1] - kptr[b], last = qpos[t] - kstart[b];  // the query's own key
       const int64_t hi = std::min(n, last + 1), lo = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
