@@ -179,9 +179,11 @@ void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const Quantized
 }
 
 // A tile of MR rows by NR groups of 16 columns, whole K: per block of 32 values the integer sums of each (row, column),
-// then scaled into float32 sums; the weights of the NR groups are read once for the MR rows.
+// then scaled into float32 sums; the weights of the NR groups are read once for the MR rows. With `next`, the three
+// groups from there on are fetched into L2 line by line meanwhile (`tiles`).
 template <Format F, typename T, int MR, int NR>
-void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g0, T* y, int64_t N) {
+void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g0, T* y, int64_t N,
+          const uint8_t* next = nullptr) {
   const int64_t K = x.K, blocks = K / kBlock;
   constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;
   const int64_t group_bytes = blocks * kLines * 64;
@@ -197,6 +199,8 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
     for (int64_t j = 0; j < kLines; ++j) {
       __m512i lines[NR];
       for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(w + (g0 + n) * group_bytes + (b * kLines + j) * 64);
+      for (int n = 0; next != nullptr && n < 3; ++n)  // past the weights is harmless: a prefetch never faults
+        _mm_prefetch(reinterpret_cast<const char*>(next + n * group_bytes + (b * kLines + j) * 64), _MM_HINT_T1);
       if constexpr (F != Format::kInt4) {
         for (int m = 0; m < MR; ++m) {
           const __m512i xb = broadcast_quad(xq + m * K + b * kBlock + j * 4);
@@ -251,15 +255,21 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
   }
 }
 
-// Rows m0..m1 against groups g0..g1, in tiles of 4 rows by 3 groups (fewer at the edges).
+// Rows m0..m1 against groups g0..g1, in tiles of 4 rows by 3 groups (fewer at the edges). The first tile of rows
+// over three groups fetches the next three into L2: where the weights come from memory (an LM head at 9 or 16 rows,
+// 168 MB) that hides the reads behind the work, 12-14% faster on a 2-core Zen 4 EPYC (prefill's layer weights, read
+// from L3, no faster; into L1 10% slower, six groups ahead no better).
 template <Format F, typename T>
 void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
            T* y, int64_t N) {
+  constexpr int64_t kLines = F == Format::kInt4 ? 4 : 8;
+  const int64_t group_bytes = x.K / kBlock * kLines * 64;
   for (int64_t g = g0; g < g1; g += 3) {
     const int64_t ng = std::min<int64_t>(3, g1 - g);
+    const uint8_t* next = g + 3 < N / 16 ? w + (g + 3) * group_bytes : nullptr;
     int64_t m = m0;
     for (; m + 4 <= m1; m += 4) {
-      if (ng == 3) tile<F, T, 4, 3>(w, sc, x, m, g, y, N);
+      if (ng == 3) tile<F, T, 4, 3>(w, sc, x, m, g, y, N, m == m0 ? next : nullptr);
       else if (ng == 2) tile<F, T, 4, 2>(w, sc, x, m, g, y, N);
       else tile<F, T, 4, 1>(w, sc, x, m, g, y, N);
     }
