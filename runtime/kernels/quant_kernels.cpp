@@ -46,6 +46,15 @@ inline void store_group(T* y, int64_t first, __m512 v) {
 // 5.2-5.6 ms, within the noise at 40-50 GB/s; 64 between them, 128 no better than 96).
 constexpr int64_t kAheadLines = 96;
 
+// Where a block's integer sums start: the int8 formats store w + 128, so their sums carry 128 times the sum of the
+// block's activations, taken out by starting there below zero (the same integers as subtracting it after, without
+// an instruction per sum); int4's offsets go through the float sums instead.
+template <Format F>
+inline __m512i start_sums(const QuantizedRows& x, int64_t block) {
+  if constexpr (F == Format::kInt4) return _mm512_setzero_si512();
+  else return _mm512_set1_epi32(-128 * x.qsum[block]);
+}
+
 // Groups g0..g1 of 16 columns, or with `list` the groups list[g0..g1] (refine's scattered ones), in S streams.
 template <Format F, typename T, int M, int S, bool kAhead>
 void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
@@ -67,9 +76,11 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
     for (int st = 0; st < live; ++st)
       for (int m = 0; m < M; ++m) acc[st][m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
-      __m512i dot[S][M];
-      for (int st = 0; st < live; ++st)
-        for (int m = 0; m < M; ++m) dot[st][m] = _mm512_setzero_si512();
+      __m512i dot[S][M];  // the int8 formats' +128 taken out up front (`start_sums`)
+      for (int m = 0; m < M; ++m) {
+        const __m512i start = start_sums<F>(x, m * blocks + b);
+        for (int st = 0; st < live; ++st) dot[st][m] = start;
+      }
       for (int64_t j = 0; j < kLines; ++j) {
         for (int st = 0; st < live; ++st) {
           const uint8_t* at = w + gs[st] * group_bytes + (b * kLines + j) * 64;
@@ -93,18 +104,15 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
       }
       if constexpr (F == Format::kInt8) {
         for (int m = 0; m < M; ++m) {
-          const __m512i corr = _mm512_set1_epi32(128 * x.qsum[m * blocks + b]);
           const __m512 sx = _mm512_set1_ps(x.scale[m * blocks + b]);
-          for (int st = 0; st < live; ++st)
-            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+          for (int st = 0; st < live; ++st) acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
         }
       } else if constexpr (F == Format::kInt8Block) {
         for (int st = 0; st < live; ++st) {
           const __m512 ws = load_halves(scales, (gs[st] * blocks + b) * 16);
           for (int m = 0; m < M; ++m) {
-            const __m512i corr = _mm512_set1_epi32(128 * x.qsum[m * blocks + b]);
             const __m512 sx = _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[m * blocks + b]));
-            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[st][m], corr)), sx, acc[st][m]);
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
           }
         }
       } else {
@@ -194,8 +202,10 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     __m512i dot[MR][NR];
-    for (int m = 0; m < MR; ++m)
-      for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_setzero_si512();
+    for (int m = 0; m < MR; ++m) {
+      const __m512i start = start_sums<F>(x, (m0 + m) * blocks + b);
+      for (int n = 0; n < NR; ++n) dot[m][n] = start;
+    }
     for (int64_t j = 0; j < kLines; ++j) {
       __m512i lines[NR];
       for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(w + (g0 + n) * group_bytes + (b * kLines + j) * 64);
@@ -225,16 +235,13 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
     for (int m = 0; m < MR; ++m) {
       const int64_t xi = (m0 + m) * blocks + b;
       if constexpr (F == Format::kInt8) {
-        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
         const __m512 sx = _mm512_set1_ps(x.scale[xi]);
-        for (int n = 0; n < NR; ++n)
-          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), sx, acc[m][n]);
+        for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), sx, acc[m][n]);
       } else if constexpr (F == Format::kInt8Block) {
-        const __m512i corr = _mm512_set1_epi32(128 * x.qsum[xi]);
         const __m512 sx = _mm512_set1_ps(x.scale[xi]);
         for (int n = 0; n < NR; ++n) {
           const __m512 ws = _mm512_mul_ps(load_halves(scales, ((g0 + n) * blocks + b) * 16), sx);
-          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot[m][n], corr)), ws, acc[m][n]);
+          acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), ws, acc[m][n]);
         }
       } else {
         const __m512 sx = _mm512_set1_ps(x.scale[xi]), total = _mm512_set1_ps(x.sum[xi]);
