@@ -166,6 +166,31 @@ def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
         torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-2)
 
 
+@pytest.mark.parametrize("scaling", [1 / 16, 0.1], ids=["query-exact-in-bfloat16", "query-rounded"])
+@pytest.mark.parametrize("window", [0, 512])
+def test_extend_attention_of_long_prompts_in_tiles(K, scaling, window):
+    """bfloat16 prompts longer than a window, many tiles of 16 query rows each (a prompt of 700, a cached prefix of 867
+    with 33 new, a tail of 3 new tokens alone, a prompt whose tiles end part-filled), against float32 SDPA; a scaling
+    that bfloat16 queries cannot take exactly goes the float32 way, and agrees as well."""
+    torch.manual_seed(window + 1)
+    S, H, Hkv, D = 4096, 4, 1, 256
+    k_buf, v_buf = torch.randn(S, Hkv, D).bfloat16(), torch.randn(S, Hkv, D).bfloat16()
+    requests = [(0, 700, 700), (0, 900, 33), (100, 650, 3), (5, 42, 42)]
+    starts = [r[0] for r in requests]
+    kptr, qptr, positions = [0], [0], []
+    for start, n, new in requests:
+        kptr.append(kptr[-1] + n)
+        qptr.append(qptr[-1] + new)
+        positions += list(range(start + n - new, start + n))
+    indices = torch.randperm(S - 1)[:kptr[-1]].add(1).int()
+    q = torch.randn(qptr[-1], H, D).bfloat16()
+    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+    out = K.extend_attention(q, k_buf, v_buf, indices, as_int(kptr), as_int(starts), as_int(qptr), as_int(positions),
+                             window, scaling, 0.0)
+    expected = _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, scaling)
+    torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-2)
+
+
 def test_extend_attention_refuses_lists_that_do_not_fit(K):
     q, kv = torch.zeros(2, 2, 16), torch.zeros(8, 1, 16)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
