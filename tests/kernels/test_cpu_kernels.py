@@ -200,6 +200,11 @@ def test_extend_attention_refuses_lists_that_do_not_fit(K):
     with pytest.raises(RuntimeError, match="outside the pool"):
         K.extend_attention(q, kv, kv, as_int([1, 9]), as_int([0, 2]), as_int([0]), as_int([0, 2]), as_int([0, 1]),
                            0, 1.0, 0.0)
+    # bfloat16 tiles (a 16-row tile of 4 tokens by 4 heads) check the slots as they restage them
+    q, kv = torch.zeros(4, 4, 64, dtype=torch.bfloat16), torch.zeros(8, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        K.extend_attention(q, kv, kv, as_int([1, 2, 8, 3]), as_int([0, 4]), as_int([0]), as_int([0, 4]),
+                           as_int([0, 1, 2, 3]), 0, 1 / 8, 0.0)
 
 
 def test_decode_attention_soft_capping(K):
