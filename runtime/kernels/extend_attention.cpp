@@ -61,7 +61,7 @@ void attend_tiles(const bf16* q, const bf16* kb, const bf16* vb, const int32_t* 
   auto staged = [&](const Request& r, int64_t kh) {
     const int64_t half = staged_keys(r.n) * D / 2;
     const uint32_t* k = buffer.get() + r.at + kh * 2 * half;
-    return Staged{k, k + half, r.first};
+    return Staged{k, k + half};
   };
   constexpr int64_t kStageKeys = 64;
   std::vector<std::array<int64_t, 3>> stage_items;  // (request, kv head, first key)

@@ -3,7 +3,7 @@
 // query heads of a kv head), so that each key and value row read from the caches serves 16 rows, not G. On a 2-core
 // Zen 4 EPYC, a 600-token prompt's layer: 2.05-2.10 ms in tiles against 2.5-2.8 a token at a time (`vdpbf16ps` at
 // ~77% of its pace against ~63%: there the loads, the per-token set-up and the horizontal sums took the rest);
-// three such prompts 6.4-6.7 against 8.2-8.5 ms, one of 2000 tokens 21 against 30.
+// three such prompts 6.1-6.7 against 8.2-8.5 ms, one of 2000 tokens 21 against 30.
 //
 // First the request's keys are restaged (`stage`) into what the dot products take: keys in blocks of 16, for each
 // pair of head values one vector of the 16 keys' pairs (the 16 keys' scores then sum in the lanes, no horizontal
@@ -35,43 +35,41 @@ inline bool tiles_serve(const Shape& s) {
   return s.softcap <= 0.f && s.D % 64 == 0 && s.G <= kTileRows && kTileRows % s.G == 0;
 }
 
-// One (request, kv head)'s keys first..first + n (its list's indices), restaged; n rounded up to 32 with zeros.
+// One (request, kv head)'s keys, restaged (`stage`); their count rounded up to 32 with zeros.
 struct Staged {
-  const uint32_t* k;  // [n / 16 blocks][D / 2][16 keys]: key pairs of values 2p, 2p + 1
-  const uint32_t* v;  // [n / 2 key pairs][D]: the pair's value d
-  int64_t first;
+  const uint32_t* k;  // [keys / 16 blocks][D / 2][16 keys]: the keys' pairs of values 2p, 2p + 1
+  const uint32_t* v;  // [keys / 2 pairs][D]: the pair's two values d
 };
 
 inline int64_t staged_keys(int64_t n) { return (n + 31) / 32 * 32; }
 
-// Keys j0..j1 (a multiple of 32 apart, j0 too) of the list `slots`, n of them real, into k and v (sized for
-// staged_keys(n) keys).
+// Keys j0..j1 (j0 even) of the list `slots`, n of them real, into k and v (sized for staged_keys(n) keys); the
+// keys from n on are zeros.
 inline void stage(const bf16* kb, const bf16* vb, const int32_t* slots, int64_t n, int64_t j0, int64_t j1,
                   const Shape& s, int64_t kh, uint32_t* k, uint32_t* v) {
   const int64_t D = s.D, P = D / 2;
-  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  // the two halves of a value pair's interleaving, quarters in order (below)
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int64_t j = j0; j < j1; j += 2) {
-    const bf16* r[2];
+    const bf16* values[2] = {nullptr, nullptr};
     for (int e = 0; e < 2; ++e) {
-      if (j + e < n) {
-        const int64_t slot = slots[j + e];
-        check_slot(slot, s.S);
-        r[e] = kb + (slot * s.Hkv + kh) * D;
-        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(r[e]);
-        uint32_t* kk = k + (j + e) / 16 * P * 16 + (j + e) % 16;
-        for (int64_t p = 0; p < P; ++p) kk[p * 16] = pairs[p];
-        r[e] = vb + (slot * s.Hkv + kh) * D;
-      } else {
-        uint32_t* kk = k + (j + e) / 16 * P * 16 + (j + e) % 16;
+      uint32_t* kk = k + (j + e) / 16 * P * 16 + (j + e) % 16;
+      if (j + e >= n) {
         for (int64_t p = 0; p < P; ++p) kk[p * 16] = 0;
-        r[e] = nullptr;
+        continue;
       }
+      const int64_t slot = slots[j + e];
+      check_slot(slot, s.S);
+      const uint32_t* pairs = reinterpret_cast<const uint32_t*>(kb + (slot * s.Hkv + kh) * D);
+      for (int64_t p = 0; p < P; ++p) kk[p * 16] = pairs[p];
+      values[e] = vb + (slot * s.Hkv + kh) * D;
     }
     // the two value rows interleaved value by value: unpack within 128-bit quarters, then the quarters in order
     uint32_t* vv = v + j / 2 * D;
     for (int64_t d = 0; d < D; d += 32) {
-      const __m512i a = r[0] ? _mm512_loadu_si512(r[0] + d) : _mm512_setzero_si512();
-      const __m512i b = r[1] ? _mm512_loadu_si512(r[1] + d) : _mm512_setzero_si512();
+      const __m512i a = values[0] ? _mm512_loadu_si512(values[0] + d) : _mm512_setzero_si512();
+      const __m512i b = values[1] ? _mm512_loadu_si512(values[1] + d) : _mm512_setzero_si512();
       const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
       _mm512_storeu_si512(vv + d, _mm512_permutex2var_epi64(lo, first, hi));
       _mm512_storeu_si512(vv + d + 16, _mm512_permutex2var_epi64(lo, second, hi));

@@ -105,7 +105,8 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
       if constexpr (F == Format::kInt8) {
         for (int m = 0; m < M; ++m) {
           const __m512 sx = _mm512_set1_ps(x.scale[m * blocks + b]);
-          for (int st = 0; st < live; ++st) acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
+          for (int st = 0; st < live; ++st)
+            acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
         }
       } else if constexpr (F == Format::kInt8Block) {
         for (int st = 0; st < live; ++st) {
