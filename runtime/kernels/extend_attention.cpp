@@ -60,7 +60,7 @@ void attend_tiles(const bf16* q, const bf16* kb, const bf16* vb, const int32_t* 
   const std::unique_ptr<uint32_t[]> buffer(new uint32_t[total]);  // every word written by `stage`
   auto staged = [&](const Request& r, int64_t kh) {
     const int64_t half = staged_keys(r.n) * D / 2;
-    const uint32_t* k = buffer.get() + r.at + kh * 2 * half;
+    uint32_t* k = buffer.get() + r.at + kh * 2 * half;
     return Staged{k, k + half};
   };
   constexpr int64_t kStageKeys = 64;
@@ -78,8 +78,7 @@ void attend_tiles(const bf16* q, const bf16* kb, const bf16* vb, const int32_t* 
       const auto [ri, kh, j] = stage_items[i];
       const Request& r = requests[ri];
       const Staged st = staged(r, kh);
-      stage(kb, vb, idx + kptr[r.b] + r.first, r.n, j, std::min(j + kStageKeys, staged_keys(r.n)), s, kh,
-            const_cast<uint32_t*>(st.k), const_cast<uint32_t*>(st.v));
+      stage(kb, vb, idx + kptr[r.b] + r.first, r.n, j, std::min(j + kStageKeys, staged_keys(r.n)), s, kh, st.k, st.v);
     }
   });
   const int64_t items = static_cast<int64_t>(tile_items.size());

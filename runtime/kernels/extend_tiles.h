@@ -37,8 +37,8 @@ inline bool tiles_serve(const Shape& s) {
 
 // One (request, kv head)'s keys, restaged (`stage`); their count rounded up to 32 with zeros.
 struct Staged {
-  const uint32_t* k;  // [keys / 16 blocks][D / 2][16 keys]: the keys' pairs of values 2p, 2p + 1
-  const uint32_t* v;  // [keys / 2 pairs][D]: the pair's two values d
+  uint32_t* k;  // [keys / 16 blocks][D / 2][16 keys]: the keys' pairs of values 2p, 2p + 1
+  uint32_t* v;  // [keys / 2 pairs][D]: the pair's two values d
 };
 
 inline int64_t staged_keys(int64_t n) { return (n + 31) / 32 * 32; }

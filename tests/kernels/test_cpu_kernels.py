@@ -135,18 +135,11 @@ def _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, w
     return out
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [0, 8, 300])
-@pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 64), (6, 3, 40)], ids=["gemma3-270m", "2-per-kv-head", "head-dim-40"])
-def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
-    """Three requests in one extend: a fresh prompt, one with a cached prefix (its queries start past position 0),
-    one whose key list starts at a window's edge; each new token sees its own position and before, and with a
-    window only the last `window` keys."""
-    torch.manual_seed(window)
-    S, (H, Hkv, D) = 1024, heads
+def _extend_case(K, requests, S, heads, dtype, window, scaling):
+    """One extend over `requests`, each (key list start, keys, new tokens) with the new tokens the last of its list,
+    at distinct random slots: the kernel's output and float32 SDPA's over the same keys."""
+    H, Hkv, D = heads
     k_buf, v_buf = torch.randn(S, Hkv, D).to(dtype), torch.randn(S, Hkv, D).to(dtype)
-    # (key list start, keys, new tokens): the new tokens are the last ones of the list
-    requests = [(0, 37, 37), (0, 350, 20), (40, 70, 9)]
     starts = [r[0] for r in requests]
     kptr, qptr, positions = [0], [0], []
     for start, n, new in requests:
@@ -157,9 +150,21 @@ def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
     q = torch.randn(qptr[-1], H, D).to(dtype)
     as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
     out = K.extend_attention(q, k_buf, v_buf, indices, as_int(kptr), as_int(starts), as_int(qptr), as_int(positions),
-                             window, 1 / 16, 0.0)
-    expected = _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, 1 / 16)
+                             window, scaling, 0.0)
+    expected = _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, scaling)
     assert out.dtype == dtype and out.shape == q.shape
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [0, 8, 300])
+@pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 64), (6, 3, 40)], ids=["gemma3-270m", "2-per-kv-head", "head-dim-40"])
+def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
+    """Three requests in one extend: a fresh prompt, one with a cached prefix (its queries start past position 0),
+    one whose key list starts at a window's edge; each new token sees its own position and before, and with a
+    window only the last `window` keys."""
+    torch.manual_seed(window)
+    out, expected = _extend_case(K, [(0, 37, 37), (0, 350, 20), (40, 70, 9)], 1024, heads, dtype, window, 1 / 16)
     if dtype == torch.float32:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     else:
@@ -173,21 +178,8 @@ def test_extend_attention_of_long_prompts_in_tiles(K, scaling, window):
     with 33 new, a tail of 3 new tokens alone, a prompt whose tiles end part-filled), against float32 SDPA; a scaling
     that bfloat16 queries cannot take exactly goes the float32 way, and agrees as well."""
     torch.manual_seed(window + 1)
-    S, H, Hkv, D = 4096, 4, 1, 256
-    k_buf, v_buf = torch.randn(S, Hkv, D).bfloat16(), torch.randn(S, Hkv, D).bfloat16()
     requests = [(0, 700, 700), (0, 900, 33), (100, 650, 3), (5, 42, 42)]
-    starts = [r[0] for r in requests]
-    kptr, qptr, positions = [0], [0], []
-    for start, n, new in requests:
-        kptr.append(kptr[-1] + n)
-        qptr.append(qptr[-1] + new)
-        positions += list(range(start + n - new, start + n))
-    indices = torch.randperm(S - 1)[:kptr[-1]].add(1).int()
-    q = torch.randn(qptr[-1], H, D).bfloat16()
-    as_int = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
-    out = K.extend_attention(q, k_buf, v_buf, indices, as_int(kptr), as_int(starts), as_int(qptr), as_int(positions),
-                             window, scaling, 0.0)
-    expected = _reference_extend(q, k_buf, v_buf, indices, kptr, starts, qptr, positions, window, scaling)
+    out, expected = _extend_case(K, requests, 4096, (4, 1, 256), torch.bfloat16, window, scaling)
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=1e-2)
 
 
