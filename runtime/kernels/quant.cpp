@@ -15,7 +15,8 @@
 // - int4 (a GGUF's Q4_K tensors, exactly: 16 levels `low + step * q` per group of 32): per block, 4 lines;
 //   line j holds for each row 4 bytes, values 8j..8j+3 in the low nibbles and 8j+4..8j+7 in the high ones.
 //   The group's step and low are float32, 16 steps then 16 lows per (16 rows, block), so nothing is rounded:
-//   y = sum over blocks of step * xscale * (q . xq) + low * (sum of the block's activations).
+//   y = sum over blocks of step * xscale * (q . xq) + low * (sum of the block's activations). A screen's coarse
+//   copy (`half_scales`, kInt4Half) keeps them as float16 instead: 64 bytes a (16 rows, block), not 128.
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 
@@ -124,7 +125,7 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
   return Projection(out, sc, N, K, per_block ? Format::kInt8Block : Format::kInt8);
 }
 
-Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, const at::Tensor& low) {
+Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, const at::Tensor& low, bool half_scales) {
   TORCH_CHECK((q_in.scalar_type() == at::kByte || q_in.scalar_type() == at::kInt) && q_in.dim() == 2,
               "q must be (N, K) uint8 or int32 in 0..15");
   const auto q = q_in.to(at::kByte).contiguous();
@@ -134,8 +135,13 @@ Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, cons
   const int64_t blocks = K / kBlock;
   check_scale(step, N * blocks, "step");
   check_scale(low, N * blocks, "low");
+  if (half_scales) {
+    constexpr float kHalfMax = 65504.f;
+    TORCH_CHECK(step.abs().max().item<float>() <= kHalfMax && low.abs().max().item<float>() <= kHalfMax,
+                "float16 scales must be within +-65504");
+  }
   auto out = at::empty({N * K / 2}, at::kByte);
-  auto sc = at::empty({N * blocks * 2}, at::kFloat);
+  auto sc = at::empty({N * blocks * 2}, at::kFloat);  // float32, or rounded to float16 below
   const uint8_t* src = q.data_ptr<uint8_t>();
   const float* st = step.data_ptr<float>();
   const float* lo = low.data_ptr<float>();
@@ -159,6 +165,8 @@ Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, cons
       }
     }
   });
+  if (half_scales)  // the same order, 2 bytes a value (`load_halves` in the kernels)
+    return Projection(out, sc.to(at::kHalf), N, K, Format::kInt4Half);
   return Projection(out, sc, N, K, Format::kInt4);
 }
 
@@ -180,7 +188,7 @@ at::Tensor Projection::matmul(const at::Tensor& x, bool float_out) const {
 
 int64_t Projection::refine(const at::Tensor& x, const at::Tensor& y, double margin) const {
   check_float_or_bf16(x, "x");
-  TORCH_CHECK(format_ != Format::kInt4, "refine recomputes with an int8 weight; this one is int4");
+  TORCH_CHECK(!is_int4(format_), "refine recomputes with an int8 weight; this one is int4");
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K_, "x must be (M, ", K_,
               ") with M in 1..", kMaxRows, ", got ", x.sizes());
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&

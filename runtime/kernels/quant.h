@@ -32,8 +32,12 @@ struct QuantizedRows {
 };
 
 // kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
-// tensors, exactly); kInt4: 16 levels with a step and an offset per row and block.
-enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2 };
+// tensors, exactly); kInt4: 16 levels with a step and an offset per row and block; kInt4Half: the same with the
+// step and offset rounded to float16 (a screen's coarse copy, where 2 bytes a scale instead of 4 are a sixth of
+// its size).
+enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2, kInt4Half = 3 };
+
+constexpr bool is_int4(Format f) { return f == Format::kInt4 || f == Format::kInt4Half; }
 
 // One weight (N, K) in a kernel's packed layout: y (M, N) = x (M, K) @ W^T for M in 1..8.
 class Projection {
@@ -41,7 +45,8 @@ class Projection {
   // int8 (N, K) with float32 scales (N,): W = q * scale per row; or (N, K / 32): W = q * scale per block of 32.
   static Projection int8(const at::Tensor& q, const at::Tensor& scales);
   // q (N, K) in 0..15 (uint8 or int32), step and low (N, K / 32) float32: W = low + step * q per group of 32.
-  static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low);
+  // With `half_scales`, step and low are kept rounded to float16 (kInt4Half).
+  static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low, bool half_scales = false);
 
   // (M, K) -> (M, N) in x's dtype or float32: up to kMaxRows rows streamed (`run`), more in tiles (`run_tiled`).
   at::Tensor matmul(const at::Tensor& x, bool float_out) const;

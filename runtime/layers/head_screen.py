@@ -2,21 +2,22 @@
 
 At one row the LM head is read, not computed: its 262144 x 640 int8 copy (Gemma 3 270M's Q8_0 table, 178 MB)
 is about half of a batch-1 step. A screen keeps the same table a second time as a coarse int4 copy (16 levels
-from each group of 32 weights' minimum to its maximum, a float32 step and offset per group: 126 MB) and the
-row reads that instead. The screen's logits are within a few units of the int8 ones (Gemma 3 270M on the
-reference text of `benchmarks/quality.py`: 0.29 on average, 2.4 at most), too coarse to serve as they are
-(perplexity +8.6%, top-1 agreement 84%); so every group of 16 tokens with a screened logit within
-`REFINE_MARGIN` of the row's largest is recomputed from the int8 copy by the int8 kernel itself
+from each group of 32 weights' minimum to its maximum, a float16 step and offset per group: 105 MB; float32 ones
+made it 126 MB and its in-step read 20% longer) and the row reads that instead. The screen's logits are within a
+few units of the int8 ones (Gemma 3 270M on the reference text of `benchmarks/quality.py`: 0.29 on average, 2.4
+at most; 3.35 at most over 280 decode rows after random-id prompts, float16 scales adding 0.04), too coarse to
+serve as they are (perplexity +8.6%, top-1 agreement 84%); so every group of 16 tokens with a screened logit
+within `REFINE_MARGIN` of the row's largest is recomputed from the int8 copy by the int8 kernel itself
 (`Projection.refine`): those logits are the int8 head's to the bit.
 
 What changes against the int8 head alone: only logits more than `REFINE_MARGIN` below the row's largest stay
 screened, tokens at under e^-8 (3e-4) of the likeliest one's probability. The greedy token is the int8 head's
-whenever the screen errs by less than the margin there (2.4 at most, measured). `benchmarks/quality.py`, decode
-path: perplexity +0.32% against float32 (+0.03% unscreened), top-1 and free-running greedy agreement with
-transformers unchanged (96.6%, 61.7%). A flat row (the model unsure: one step in seven after the bench's
-random-id prompts) refines most groups and pays for both copies; a peaked one refines a few dozen. Margins 10
-and 12 refine more and were slower than none on the bench's prompts (`docs/performance.md`, "The LM head
-screened in 4 bits").
+whenever the screen errs by less than half the margin at the top (the measured errors above: it was, 280 rows of
+280). `benchmarks/quality.py`, decode path: perplexity +0.31% against float32 (+0.03% unscreened), top-1
+agreement with transformers unchanged (96.6%). A flat row (the model unsure: one step in seven to twenty after
+the bench's random-id prompts) refines most groups and pays for both copies (past half of them, `refine` recomputes
+all in order, faster than a list); a peaked one refines a few dozen. Margins 10 and 12 refine more and were slower
+than none on the bench's prompts (`docs/performance.md`, "The LM head screened in 4 bits").
 
 `--lm-head-screen off` keeps the int8 head alone (every logit the int8 head's, e.g. for `logprobs` of rare tokens).
 """
@@ -56,13 +57,13 @@ def _coarse_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 class HeadScreen:
-    """A coarse int4 copy of an int8 head (our kernels' `Projection`) and the refinement through it."""
+    """A coarse int4 copy of an int8 head (our kernels' `Projection`, float16 scales) and the refinement through it."""
 
     def __init__(self, weight: torch.Tensor, exact) -> None:
         """`weight` (N, K) float, the head's values; `exact`: the int8 head's `Projection` (N, K), whose layout the
         int4 one shares (N a multiple of 16, K of 32)."""
         self.exact = exact
-        self.coarse = kernels.load().Projection.int4(*coarse_int4(weight))
+        self.coarse = kernels.load().Projection.int4(*coarse_int4(weight), half_scales=True)
         self.refined_groups = 0  # groups of 16 logits recomputed in 8 bits, since load (tests and benchmarks)
 
     def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32; M <= 8 (refine's rows)

@@ -375,13 +375,20 @@ def test_int8_projection_with_a_scale_per_block(vnni, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 38, 101])
-def test_int4_projection_uses_the_4bit_weight_exactly(vnni, rows):
+@pytest.mark.parametrize("half_scales", [False, True])
+def test_int4_projection_uses_the_4bit_weight_exactly(vnni, rows, half_scales):
+    """float32 steps and offsets used as they are; with half_scales (a screen's coarse copy), as float16 rounds them."""
     N, Kd = 64, 512  # 4 groups: a tile of 3 and an edge of 1
     q, step, low = _int4_weight(N, Kd, rows)
     x = torch.randn(rows, Kd, generator=torch.Generator().manual_seed(rows))
-    weight = vnni.Projection.int4(q, step, low)
-    assert (weight.format, weight.out_features, weight.in_features) == ("int4", N, Kd)
-    assert weight.nbytes == N * Kd // 2 + 2 * 4 * N * Kd // 32  # half a byte a weight, float32 step and offset
+    weight = vnni.Projection.int4(q, step, low, half_scales=half_scales)
+    if half_scales:
+        assert not torch.equal(step.half().float(), step)  # the rounding is there to be seen
+        step, low = step.half().float(), low.half().float()
+    assert (weight.format, weight.out_features, weight.in_features) == (
+        "int4-half" if half_scales else "int4", N, Kd)
+    scale_bytes = 2 if half_scales else 4
+    assert weight.nbytes == N * Kd // 2 + 2 * scale_bytes * N * Kd // 32  # half a byte a weight, a step and offset
     out = weight.matmul(x)
     torch.testing.assert_close(out.double(), _blockwise_int4_reference(x, q, step, low), rtol=1e-5, atol=1e-5)
     out16 = weight.matmul(x.bfloat16())
@@ -429,6 +436,18 @@ def test_refine_of_a_flat_row_is_the_whole_matmul(vnni):
     assert torch.equal(y, weight.matmul(x, float_out=True))
 
 
+def test_refine_past_half_the_groups_recomputes_them_all(vnni):
+    """Most groups near the top (a flat row): all of them recomputed in order, the ones not near too."""
+    torch.manual_seed(6)
+    N, Kd = 16 * 64, 64
+    weight = vnni.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
+    x = torch.randn(1, Kd)
+    y = torch.zeros(1, N)
+    y[0, : N * 3 // 8] = -10.0  # 24 groups of 64 far below the top, 40 at it
+    assert weight.refine(x, y, 1.0) == N // 16
+    assert torch.equal(y, weight.matmul(x, float_out=True))
+
+
 def test_refine_refuses_what_it_cannot_take(vnni):
     weight = vnni.Projection.int8(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32))
     with pytest.raises(RuntimeError, match="M in 1..8"):
@@ -439,9 +458,11 @@ def test_refine_refuses_what_it_cannot_take(vnni):
         weight.refine(torch.zeros(1, 64), torch.zeros(1, 16), 1.0)
     with pytest.raises(RuntimeError, match="margin"):
         weight.refine(torch.zeros(1, 64), torch.zeros(1, 32), -1.0)
-    int4 = vnni.Projection.int4(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2), torch.zeros(32, 2))
-    with pytest.raises(RuntimeError, match="int8 weight"):
-        int4.refine(torch.zeros(1, 64), torch.zeros(1, 32), 1.0)
+    for half_scales in (False, True):
+        int4 = vnni.Projection.int4(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2), torch.zeros(32, 2),
+                                    half_scales=half_scales)
+        with pytest.raises(RuntimeError, match="int8 weight"):
+            int4.refine(torch.zeros(1, 64), torch.zeros(1, 32), 1.0)
 
 
 def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
@@ -457,6 +478,9 @@ def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
         vnni.Projection.int4(torch.full((16, 64), 16, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
     with pytest.raises(RuntimeError, match="step"):
         vnni.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 3), torch.zeros(16, 2))
+    with pytest.raises(RuntimeError, match="65504"):
+        vnni.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.full((16, 2), 7e4), torch.zeros(16, 2),
+                             half_scales=True)
     weight = vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
     with pytest.raises(RuntimeError, match=r"must be \(M, 64\)"):
         weight.matmul(torch.zeros(1, 32))  # not the weight's width
