@@ -210,24 +210,32 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
   constexpr int64_t kLines = is_int4(F) ? 4 : 8;
   const int64_t group_bytes = blocks * kLines * 64;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
-  const int8_t* xq = x.q.data() + m0 * K;
+  // Pointers walked block by block and the lines of a block unrolled, so that a block's loads take constant offsets:
+  // with indices recomputed a line, the loop carried its sums through register copies (3-4% slower, prefill's
+  // projections in one process alternated on a 2-core Zen 4 EPYC; int4 8%).
+  const uint8_t* wp = w + g0 * group_bytes;
+  const int8_t* xp = x.q.data() + m0 * K;
+  const float* xscale = x.scale.data() + m0 * blocks;
+  const float* xsum = x.sum.data() + m0 * blocks;
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
+  for (int64_t b = 0; b < blocks; ++b, wp += kLines * 64, xp += kBlock) {
     __m512i dot[MR][NR];
     for (int m = 0; m < MR; ++m) {
       const __m512i start = start_sums<F>(x, (m0 + m) * blocks + b);
       for (int n = 0; n < NR; ++n) dot[m][n] = start;
     }
+#pragma GCC unroll 8
     for (int64_t j = 0; j < kLines; ++j) {
       __m512i lines[NR];
-      for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(w + (g0 + n) * group_bytes + (b * kLines + j) * 64);
-      for (int n = 0; next != nullptr && n < 3; ++n)  // past the weights is harmless: a prefetch never faults
-        _mm_prefetch(reinterpret_cast<const char*>(next + n * group_bytes + (b * kLines + j) * 64), _MM_HINT_T1);
+      for (int n = 0; n < NR; ++n) lines[n] = _mm512_loadu_si512(wp + n * group_bytes + j * 64);
+      if (next != nullptr)  // past the weights is harmless: a prefetch never faults
+        for (int n = 0; n < 3; ++n)
+          _mm_prefetch(reinterpret_cast<const char*>(next + n * group_bytes + (b * kLines + j) * 64), _MM_HINT_T1);
       if constexpr (!is_int4(F)) {
         for (int m = 0; m < MR; ++m) {
-          const __m512i xb = broadcast_quad(xq + m * K + b * kBlock + j * 4);
+          const __m512i xb = broadcast_quad(xp + m * K + j * 4);
           for (int n = 0; n < NR; ++n) dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lines[n], xb);
         }
       } else {
@@ -237,8 +245,8 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
           hi[n] = _mm512_and_si512(_mm512_srli_epi16(lines[n], 4), nibble);
         }
         for (int m = 0; m < MR; ++m) {
-          const __m512i xl = broadcast_quad(xq + m * K + b * kBlock + j * 8);
-          const __m512i xh = broadcast_quad(xq + m * K + b * kBlock + j * 8 + 4);
+          const __m512i xl = broadcast_quad(xp + m * K + j * 8);
+          const __m512i xh = broadcast_quad(xp + m * K + j * 8 + 4);
           for (int n = 0; n < NR; ++n) {
             dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], lo[n], xl);
             dot[m][n] = _mm512_dpbusd_epi32(dot[m][n], hi[n], xh);
@@ -247,18 +255,16 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
       }
     }
     for (int m = 0; m < MR; ++m) {
-      const int64_t xi = (m0 + m) * blocks + b;
+      const __m512 sx = _mm512_set1_ps(xscale[m * blocks + b]);
       if constexpr (F == Format::kInt8) {
-        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
         for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), sx, acc[m][n]);
       } else if constexpr (F == Format::kInt8Block) {
-        const __m512 sx = _mm512_set1_ps(x.scale[xi]);
         for (int n = 0; n < NR; ++n) {
           const __m512 ws = _mm512_mul_ps(load_halves(scales, ((g0 + n) * blocks + b) * 16), sx);
           acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), ws, acc[m][n]);
         }
       } else {
-        const __m512 sx = _mm512_set1_ps(x.scale[xi]), total = _mm512_set1_ps(x.sum[xi]);
+        const __m512 total = _mm512_set1_ps(xsum[m * blocks + b]);
         for (int n = 0; n < NR; ++n) {
           __m512 step, low;
           int4_scales<F>(scales, (g0 + n) * blocks + b, step, low);
