@@ -17,7 +17,8 @@ void attend(const T* q, int64_t q_stride, const T* kb, const T* vb, const int32_
   const int64_t G = s.G, D = s.D, H = s.H, Hkv = s.Hkv;
   const int64_t threads = at::get_num_threads();
   const int64_t pairs = B * Hkv;
-  // A single (request, kv head): one chunk a thread (each chunk has a set-up); more: two a thread, for balance.
+  // A single (request, kv head): one chunk a thread (each chunk has a set-up); more: two a thread, for balance. At
+  // one chunk a request each thread reads whole requests: their rows fetched into L2 (`Chunk::far`).
   const int64_t chunks = pairs == 1 ? threads : std::max<int64_t>(1, (2 * threads + pairs - 1) / pairs);
   const int64_t items = pairs * chunks;
   const auto routine = chunk_routine<T>(s);
@@ -32,8 +33,8 @@ void attend(const T* q, int64_t q_stride, const T* kb, const T* vb, const int32_
       const float pre = s.softcap > 0.f ? 1.f : s.scaling;  // without soft-capping the scaling rides on q
       scaled_rows(q + b * q_stride + kh * G * D, G * D, pre, qf.data());
       p.resize(G * std::max<int64_t>(j1 - j0, 1));
-      routine(qf.data(), kb, vb, Chunk{idx + first + j0, j1 - j0, kh, true}, s, p.data(), m.data() + it * G,
-              l.data() + it * G, acc.data() + it * G * D);
+      const Chunk chunk{idx + first + j0, j1 - j0, kh, true, chunks == 1};
+      routine(qf.data(), kb, vb, chunk, s, p.data(), m.data() + it * G, l.data() + it * G, acc.data() + it * G * D);
     }
   });
   auto merge = [&](int64_t r0, int64_t r1) {

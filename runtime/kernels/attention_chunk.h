@@ -111,8 +111,8 @@ void chunk_avx512(const float* qf, const KV* kb, const KV* vb, const Chunk& c, c
       kr[kk] = kb + (slot * s.Hkv + c.kh) * D;
     }
     for (int64_t ja = j0 + kAhead; c.cold && ja < std::min(j0 + kAhead + KJ, len); ++ja) {
-      prefetch_bytes(kb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
-      prefetch_bytes(vb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)));
+      prefetch_bytes(kb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)), c.far);
+      prefetch_bytes(vb + (c.slots[ja] * s.Hkv + c.kh) * D, D * static_cast<int64_t>(sizeof(KV)), c.far);
     }
     __m512 dot[16];
     for (int i = 0; i < 16; ++i) dot[i] = _mm512_setzero_ps();
