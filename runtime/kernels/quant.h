@@ -33,8 +33,8 @@ struct QuantizedRows {
 
 // kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
 // tensors, exactly); kInt4: 16 levels with a step and an offset per row and block; kInt4Half: the same with the
-// step and offset rounded to float16 (a screen's coarse copy, where 2 bytes a scale instead of 4 are a sixth of
-// its size).
+// step and offset rounded to float16 (a screen's coarse copy: 2 bytes a scale instead of 4 take a sixth off its
+// size).
 enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2, kInt4Half = 3 };
 
 constexpr bool is_int4(Format f) { return f == Format::kInt4 || f == Format::kInt4Half; }
