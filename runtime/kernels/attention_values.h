@@ -21,9 +21,9 @@ struct Chunk {  // one (request, kv head, chunk of its keys)
   // attention 2.35 -> 2.03 ms a layer on a 2-core EPYC; 3000 tokens no slower).
   bool cold = false;
   // Fetched into L2 rather than L1 (`prefetch_bytes`): where each thread reads whole requests one after another
-  // (decode with a few requests a thread), the sixteen lines a key asked into L1 filled its misses in flight;
-  // where two threads share one request's keys, L1 was faster. On a 2-core Zen 4 EPYC, alternated in one process:
-  // the layers of a 16-request decode step 0.80-0.84x the time, a 1-request step's 1.09-1.22x (so kept off there).
+  // (decode with a few requests a thread), L2 was faster (likely: sixteen lines a key asked into L1 fill its misses
+  // in flight); where two threads share one request's keys, L1 was faster. On a 2-core Zen 4 EPYC, alternated in
+  // one process: the layers of a 16-request decode step 0.80-0.84x the time, a 1-request step's 1.09-1.22x.
   bool far = false;
 };
 

@@ -288,8 +288,8 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
 // fetch the next three into L2 meanwhile, each its share of their blocks (`part` of `parts`): where the weights come
 // from memory (an LM head at 9 or 16 rows, 168 MB) that hides the reads behind the work. On a 2-core Zen 4 EPYC, all
 // fetched by the first tile: 12-14% faster than none; shared among the tiles: a further 10% at 9 and 16 rows, 4.5% at
-// 32 (the first tile alone issued more than the core keeps in flight). Prefill's layer weights, read from L3: no
-// faster either way; into L1 10% slower, six groups ahead no better.
+// 32 (likely because the first tile alone issued more fetches than a core keeps in flight). Prefill's layer weights,
+// read from L3: no faster either way; into L1 10% slower, six groups ahead no better.
 template <Format F, typename T>
 void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
            T* y, int64_t N) {
