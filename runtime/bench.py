@@ -28,7 +28,7 @@ from tqdm import tqdm
 from runtime.config import EngineConfig
 from runtime.core import Req, SamplingParams
 from runtime.engine import Engine
-from runtime.memory_bound import decode_weight_bytes, read_bandwidth, read_buffer
+from runtime.memory_bound import decode_kv_bytes, decode_weight_bytes, read_bandwidth, read_buffer
 from runtime.models.loader import load_model, random_state_dict
 from runtime.models.registry import resolve_model
 from runtime.models.tokenizer import load_tokenizer
@@ -269,18 +269,21 @@ def telemetry_overhead(probes: dict[str, EngineProbe], prompts: list[list[int]],
             "overhead_pct_ci95": ((low - 1) * 100, (high - 1) * 100)}
 
 
-def memory_limit(model, overhead: dict) -> dict:
-    """A decode step next to its memory-bound floor: the weight bytes it reads over the machine's read bandwidth
-    (runtime/memory_bound.py), probed after each round of `overhead` (`telemetry_overhead` with the probe as
-    `after_round`): each round's median telemetry-on step over the floor at its own bandwidth, since a shared
-    machine's bandwidth moves between rounds. The ratio is the median over rounds."""
+def memory_limit(model, overhead: dict, kv_bytes: float = 0.0) -> dict:
+    """A decode step next to its memory-bound floor: the bytes it reads (its weights, and `kv_bytes`: the keys and
+    values, the mean over the steps) over the machine's read bandwidth (runtime/memory_bound.py), probed after
+    each round of `overhead` (`telemetry_overhead` with the probe as `after_round`): each round's median
+    telemetry-on step over the floor at its own bandwidth, since a shared machine's bandwidth moves between
+    rounds. The ratio is the median over rounds."""
     weights = decode_weight_bytes(model, overhead["batch"])
-    rounds = [(step, weights / bandwidth) for step, bandwidth in overhead["per_round"]]
+    total = weights + kv_bytes
+    rounds = [(step, total / bandwidth) for step, bandwidth in overhead["per_round"]]
     ratios = [step / floor for step, floor in rounds]
     bandwidths = [bandwidth for _, bandwidth in overhead["per_round"]]
     bandwidth = statistics.median(bandwidths)
-    return {"batch": overhead["batch"], "weight_bytes": weights, "read_bandwidth": bandwidth,
-            "read_bandwidth_range": (min(bandwidths), max(bandwidths)), "floor_ms": weights / bandwidth * 1e3,
+    return {"batch": overhead["batch"], "weight_bytes": weights, "kv_bytes": kv_bytes, "read_bytes": total,
+            "read_bandwidth": bandwidth, "read_bandwidth_range": (min(bandwidths), max(bandwidths)),
+            "floor_ms": total / bandwidth * 1e3,
             "step_ms": overhead["median_step_ms_on"], "round_ratios": ratios,
             "step_over_floor": statistics.median(ratios)}
 
@@ -348,9 +351,10 @@ def format_report(report: dict) -> str:
         low, high = m["read_bandwidth_range"]
         ratios = m["round_ratios"]
         lines += ["", f"Decode against the memory limit (batch {m['batch']}, the telemetry-on steps above)",
-                  f"  weights read per step: {m['weight_bytes'] / 1e6:.1f} MB; read bandwidth probed after each "
-                  f"round: median {m['read_bandwidth'] / 1e9:.1f} GB/s ({low / 1e9:.1f} .. {high / 1e9:.1f}; "
-                  f"{s['threads']} threads)",
+                  f"  bytes read per step: {m['read_bytes'] / 1e6:.1f} MB (weights {m['weight_bytes'] / 1e6:.1f}, keys "
+                  f"and values {m['kv_bytes'] / 1e6:.1f}: the mean over the steps)",
+                  f"  read bandwidth probed after each round: median {m['read_bandwidth'] / 1e9:.1f} GB/s "
+                  f"({low / 1e9:.1f} .. {high / 1e9:.1f}; {s['threads']} threads)",
                   f"  floor (bytes / bandwidth): {m['floor_ms']:.2f} ms at the median; each round's median step "
                   f"over its own floor: {' '.join(f'{r:.2f}x' for r in ratios)}",
                   f"  median step {m['step_ms']:.2f} ms = {m['step_over_floor']:.2f}x the floor (median over "
@@ -409,7 +413,11 @@ def run_bench(args, cfg: EngineConfig) -> int:
                                   max(gen_len, 2), args.overhead_rounds, progress=True,
                                   after_round=lambda: read_bandwidth(buffer=buffer))
     del buffer
-    limit = memory_limit(model, overhead)
+    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
+    overhead_prompts, steps = prompts_for(min(batch_sizes)), max(gen_len, 2) - 1  # the first token: prefill's
+    kv_read = statistics.mean(decode_kv_bytes(model_config, [len(p) + i for p in overhead_prompts], element)
+                              for i in range(1, steps + 1))  # step i: the prompt, i - 1 tokens and its own
+    limit = memory_limit(model, overhead, kv_read)
     throughput, kv = [], []
     for batch in batch_sizes:
         prompts = prompts_for(batch)

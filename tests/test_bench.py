@@ -177,10 +177,10 @@ def test_chunks_without_a_token_are_not_timed():
     assert not _closing_chunk({"choices": [{"text": "", "finish_reason": None}]})  # a held-back token
 
 
-def test_the_memory_limit_is_the_weights_read_over_the_measured_bandwidth(tiny_report):
-    """float32 tiny model, tied head: one step reads every parameter once (the table as the head) and one
-    embedding row per token; the floor is those bytes over the bandwidth probed after each round, each round's
-    median step held against its own floor, the ratio the median over rounds."""
+def test_the_memory_limit_is_the_bytes_read_over_the_measured_bandwidth(tiny_report):
+    """float32 tiny model, tied head: one step reads every parameter once (the table as the head), one
+    embedding row per token and its keys and values; the floor is those bytes over the bandwidth probed after
+    each round, each round's median step held against its own floor, the ratio the median over rounds."""
     import statistics
 
     import torch
@@ -193,12 +193,20 @@ def test_the_memory_limit_is_the_weights_read_over_the_measured_bandwidth(tiny_r
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     assert config.tie_word_embeddings and m["batch"] == 1
     assert m["weight_bytes"] == params + m["batch"] * config.hidden_size * 4
+    # decode step i (1..GEN_LEN-1) attends PROMPT_LEN + i keys: all of them on a full layer, at most the window
+    # on a sliding one; a key and its value are 2 * kv_heads * head_dim float32 values a layer
+    row = 2 * config.num_key_value_heads * config.head_dim * 4
+    per_step = [row * (len(config.full_layer_ids) * (PROMPT_LEN + i)
+                       + len(config.sliding_layer_ids) * min(PROMPT_LEN + i, config.sliding_window))
+                for i in range(1, GEN_LEN)]
+    assert m["kv_bytes"] == pytest.approx(sum(per_step) / len(per_step)) and m["kv_bytes"] > 0
+    assert m["read_bytes"] == pytest.approx(m["weight_bytes"] + m["kv_bytes"])
     rounds = tiny_report["telemetry_overhead"]["per_round"]
     assert len(rounds) == tiny_report["telemetry_overhead"]["rounds"] and all(bw > 1e8 for _, bw in rounds)
     assert m["read_bandwidth"] == pytest.approx(statistics.median(bw for _, bw in rounds))
     assert m["read_bandwidth_range"] == [min(bw for _, bw in rounds), max(bw for _, bw in rounds)]  # JSON: a list
-    assert m["floor_ms"] == pytest.approx(m["weight_bytes"] / m["read_bandwidth"] * 1e3)
-    assert m["round_ratios"] == pytest.approx([step / (m["weight_bytes"] / bw) for step, bw in rounds])
+    assert m["floor_ms"] == pytest.approx(m["read_bytes"] / m["read_bandwidth"] * 1e3)
+    assert m["round_ratios"] == pytest.approx([step / (m["read_bytes"] / bw) for step, bw in rounds])
     assert m["step_over_floor"] == pytest.approx(statistics.median(m["round_ratios"]))
     assert m["step_ms"] == pytest.approx(tiny_report["telemetry_overhead"]["median_step_ms_on"])
 
