@@ -413,9 +413,9 @@ def run_bench(args, cfg: EngineConfig) -> int:
                                   max(gen_len, 2), args.overhead_rounds, progress=True,
                                   after_round=lambda: read_bandwidth(buffer=buffer))
     del buffer
-    element = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     overhead_prompts, steps = prompts_for(min(batch_sizes)), max(gen_len, 2) - 1  # the first token: prefill's
-    kv_read = statistics.mean(decode_kv_bytes(model_config, [len(p) + i for p in overhead_prompts], element)
+    kv_read = statistics.mean(decode_kv_bytes(probe.engine.pool, model_config.sliding_window,
+                                              [len(p) + i for p in overhead_prompts])
                               for i in range(1, steps + 1))  # step i: the prompt, i - 1 tokens and its own
     limit = memory_limit(model, overhead, kv_read)
     throughput, kv = [], []

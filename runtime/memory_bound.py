@@ -70,13 +70,12 @@ def decode_weight_bytes(model: nn.Module, rows: int = 1) -> int:
     return total + _head_bytes(head, rows)
 
 
-def decode_kv_bytes(config, keys: list[int], element: int) -> int:
-    """Key and value bytes one decode step reads from the KV pools: for each request with `keys[i]` keys (its
-    tokens, the new one included), a full-attention layer reads all of them, a sliding layer those within its
-    window; `element`: bytes per stored value."""
-    row = 2 * config.num_key_value_heads * config.head_dim * element  # a key and its value, on one layer
-    windows = [config.layer_window(i) for i in range(config.num_hidden_layers)]
-    return sum(row * (n if w is None else min(n, w)) for n in keys for w in windows)
+def decode_kv_bytes(pool, window: int | None, keys: list[int]) -> int:
+    """Key and value bytes one decode step reads from `pool` (a `HybridKVPool`): for each request with `keys[i]`
+    keys (its tokens, the new one included), every full-attention layer reads all of them, every sliding layer
+    those within `window`; the bytes a token takes in each pool are the pool's own (its layers, heads, dtype)."""
+    full, swa = pool.bytes_per_token()  # over all the pool's layers: a key and its value each
+    return sum(full * n + swa * (n if window is None else min(n, window)) for n in keys)
 
 
 def read_bandwidth(repeats: int = 5, nbytes: int = READ_BUFFER_BYTES, buffer: torch.Tensor | None = None) -> float:
