@@ -15,6 +15,7 @@ printed side by side with transformers in float32 and bfloat16:
    tokens equal position by position, and how many leading tokens agree.
 
     python benchmarks/quality.py [--model gemma3-270m] [--new-tokens 32] [--prompts 4] [--prompt-len 48]
+                                 [--prefill-weights int8-128|gguf]
 
 Attention in (1) and (2) is a dense single-sequence backend (causal, windowed on sliding layers, in float32
 as the runtime's torch backend computes it); the weights and the model's arithmetic are what is measured
@@ -139,13 +140,14 @@ def text_prompts(ids: list[int], count: int, length: int, bos: int) -> list[list
     return [[bos] + body[i * step:i * step + length - 1] for i in range(count)]
 
 
-def engine_greedy(model_name: str, model, tokenizer, dtype: str, quantization: str, prompts, new_tokens: int):
+def engine_greedy(model_name: str, model, tokenizer, dtype: str, quantization: str, prompts, new_tokens: int,
+                  prefill_weights: str = "int8-128"):
     from runtime.config import EngineConfig
     from runtime.core import SamplingParams
     from runtime.engine import Engine
 
     cfg = EngineConfig(model=model_name, dtype=dtype, quantization=quantization, max_total_tokens=4096,
-                       swa_full_tokens_ratio=1.0, disable_prefix_caching=True)
+                       swa_full_tokens_ratio=1.0, disable_prefix_caching=True, prefill_weights=prefill_weights)
     engine = Engine(cfg, progress=False, model=model, tokenizer=tokenizer)
     return engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
 
@@ -158,12 +160,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prefill-weights", choices=("int8-128", "gguf"), default="int8-128",
+                    help="int8-head's rows past eight: int8 in blocks of 128 (the default) or the GGUF's blocks")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=48)
     args = ap.parse_args()
 
     from runtime.bench import load_transformers, run_transformers
     from runtime.config import EngineConfig
+    from runtime.layers.decode_linear import set_prefill_weights
     from runtime.models.loader import build_model, read_weights
     from runtime.models.tokenizer import load_tokenizer
 
@@ -184,8 +189,9 @@ def main() -> None:
     base_ppl = None
     for dt, quant in VARIANTS:
         model = build_model(config, state, getattr(torch, dt), quantization=quant)
-        greedy = greedy_agreement(engine_greedy(args.model, model, tokenizer, dt, quant, prompts, args.new_tokens),
-                                  ref_greedy[dt])
+        set_prefill_weights(model, args.prefill_weights)
+        greedy = greedy_agreement(engine_greedy(args.model, model, tokenizer, dt, quant, prompts, args.new_tokens,
+                                                args.prefill_weights), ref_greedy[dt])
         paths = ((False, ""),) if quant == "none" else ((False, ", prefill path"), (True, ", decode path"))
         for decode_path, label in paths:
             logits = model_logits(model, ids, decode_path)

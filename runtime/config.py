@@ -10,6 +10,7 @@ BACKENDS = ("torch", "triton")
 KV_SANITIZER_MODES = ("off", "sampled", "strict")  # docs/kv-sanitizer.md
 DTYPES = ("auto", "float32", "bfloat16")  # auto: runtime/auto_settings.py
 QUANTIZATIONS = ("auto", "none", "int8", "int8-head")  # weight formats (runtime/layers/quantized.py, decode_linear.py)
+PREFILL_WEIGHTS = ("int8-128", "gguf")  # the rows past eight on int8-head's kernels (runtime/layers/decode_linear.py)
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "suffix")  # draft-free speculative decoding (runtime/speculative/)
 
 
@@ -24,6 +25,10 @@ class EngineConfig:
     # int8-head on our kernels: a batch-1 step reads a coarse int4 copy of the head and refines its top in 8 bits
     # (runtime/layers/head_screen.py); off: the int8 head alone
     lm_head_screen: bool = True
+    # int8-head on our kernels, rows past eight (prefill, decode batches past eight): int8-128, int8 weights and
+    # activations in blocks of 128 (requantised from the GGUF's at load, 1.2x prefill's projections); gguf: the
+    # GGUF's own blocks for every row count
+    prefill_weights: str = "int8-128"
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"
     attention_backend: str = "torch"
@@ -65,6 +70,9 @@ class EngineConfig:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.prefill_weights not in PREFILL_WEIGHTS:
+            raise ValueError(f"--prefill-weights must be one of {', '.join(PREFILL_WEIGHTS)}, "
+                             f"got {self.prefill_weights!r}")
         if self.kv_sanitizer not in KV_SANITIZER_MODES:
             raise ValueError(f"--kv-sanitizer must be one of {', '.join(KV_SANITIZER_MODES)}, "
                              f"got {self.kv_sanitizer!r}")

@@ -21,6 +21,7 @@ from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
 from runtime.int_tensors import int_tensor
+from runtime.layers.decode_linear import set_prefill_weights
 from runtime.layers.quantized import set_head_screen
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
@@ -70,6 +71,7 @@ class Engine:
         if model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
+        set_prefill_weights(model, cfg.prefill_weights)  # runtime/layers/decode_linear.py
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)

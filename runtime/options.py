@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import argparse
 
-from runtime.config import (BACKENDS, DTYPES, KV_SANITIZER_MODES, POLICIES, QUANTIZATIONS, SPECULATIVE_ALGORITHMS,
-                            EngineConfig)
+from runtime.config import (BACKENDS, DTYPES, KV_SANITIZER_MODES, POLICIES, PREFILL_WEIGHTS, QUANTIZATIONS,
+                            SPECULATIVE_ALGORITHMS, EngineConfig)
 from runtime.faults import FAULTS
 from runtime.tracing import PIP_LINE, check_endpoint
 
@@ -33,6 +33,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="with int8-head on AVX512-VNNI: a batch-1 decode step reads a 4-bit copy of the LM head and "
                         "every logit within 8 of the top is recomputed by the int8 head (the same greedy token and top "
                         "logits; 52 MB less a step for Gemma 3 270M); off: the int8 head alone")
+    g.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default=d.prefill_weights,
+                   help="with int8-head on AVX512-VNNI without AMX, the rows past eight (prefill, decode batches past "
+                        "eight): int8-128 (default), int8 weights and activations in blocks of 128, requantised from "
+                        "the GGUF's at load (prefill's projections 1.2x; perplexity as gguf's on 4k tokens of prose, "
+                        "+0.95%% against float32 on the fixed text of benchmarks/quality.py); gguf: the GGUF's own "
+                        "blocks for every row count (their memory back)")
     g.add_argument("--compile-decode", action="store_true",
                    help="torch.compile each layer's math around its attention call (compiles on first use)")
     g.add_argument("--attention-backend", choices=BACKENDS, default=d.attention_backend)
@@ -139,7 +145,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         check_endpoint(args.otlp_traces_endpoint)
     return EngineConfig(
         model=args.model, dtype=args.dtype, quantization=args.quantization, compile_decode=args.compile_decode,
-        lm_head_screen=args.lm_head_screen == "on",
+        lm_head_screen=args.lm_head_screen == "on", prefill_weights=args.prefill_weights,
         attention_backend=args.attention_backend, loc_cache=args.loc_cache,
         loc_cache_guard=args.loc_cache_guard == "on", loc_cache_verify=args.loc_cache_verify,
         kv_sanitizer=args.kv_sanitizer,

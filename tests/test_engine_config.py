@@ -90,3 +90,19 @@ def test_a_full_batch_of_long_requests_never_retracts_on_the_default_sizes():
     assert sized.retraction_counts == {"offload": 0, "recompute": 0, "other": 0}
     starved = run_batch(base.with_(max_total_tokens=4096, swa_full_tokens_ratio=0.08), model)  # 327 SWA slots
     assert starved.retraction_counts["recompute"] > 0
+
+
+def test_prefill_weights_are_one_of_the_two_kinds_from_the_command_line_too():
+    import argparse
+
+    from runtime.options import add_engine_args, engine_argv
+
+    with pytest.raises(ValueError, match="--prefill-weights must be one of int8-128, gguf"):
+        EngineConfig(prefill_weights="int4")
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert p.parse_args([]).prefill_weights == EngineConfig().prefill_weights == "int8-128"
+    args = p.parse_args(["--prefill-weights", "gguf"])
+    assert engine_argv(args) == ["--prefill-weights", "gguf"]
+    with pytest.raises(SystemExit):
+        p.parse_args(["--prefill-weights", "int4"])

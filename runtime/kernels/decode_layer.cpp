@@ -23,17 +23,12 @@ void check_rows(const at::Tensor& x, const char* what) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, what, " must be (T, width) with T >= 1");
 }
 
-// y (rows, N) in T = p(x) for x (rows, K) in T: streamed up to kMaxRows rows, in tiles beyond, as
-// `Projection::matmul` chooses (a batch of decode rows past eight gives the per-operation path's values).
+// y (rows, N) in T = p(x) for x (rows, K) in T, as `Projection::matmul` computes it (a batch of decode rows past
+// eight gives the per-operation path's values).
 template <typename T>
 void project(const Projection& p, const T* x, int64_t rows, T* y) {
   thread_local QuantizedRows xq;
-  xq.quantize(x, rows, p.in_features());
-  if (rows <= kMaxRows) {
-    p.run(xq, y);
-  } else {
-    p.run_tiled(xq, y);
-  }
+  p.apply(x, rows, y, xq);
 }
 
 }  // namespace

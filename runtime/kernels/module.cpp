@@ -28,12 +28,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local(), "a weight in a low-bit decode kernel's packed layout")
       .def_static("int8", &Projection::int8,
                   "int8 (N, K) and float32 scales (N,) or (N, K/32): W = q * scale per row or per block of 32")
+      .def_static("int8_wide", &Projection::int8_wide,
+                  "int8 (N, K) and float32 scales (N, K/128): W = q * scale per block of 128, activations in blocks of "
+                  "128 too")
       .def_static("int4", &Projection::int4, pybind11::arg("q"), pybind11::arg("step"), pybind11::arg("low"),
                   pybind11::arg("half_scales") = false,
                   "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q; half_scales keeps step and low in "
                   "float16 (a screen's coarse copy)")
       .def("matmul", &Projection::matmul, pybind11::arg("x"), pybind11::arg("float_out") = false,
            "x (M, K) times the weight's transpose, up to 8 rows streamed, more in tiles: (M, N) in x's dtype, or float32")
+      .def("set_tiles", &Projection::set_tiles, pybind11::arg("tiles"),
+           "a copy of this weight (same shape) that takes the rows past MAX_ROWS from now on")
+      .def("drop_tiles", &Projection::drop_tiles, "every row count on this copy again")
+      .def_property_readonly("has_tiles", &Projection::has_tiles)
       .def("refine", &Projection::refine, pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("margin"),
            "y (M, N) float32, a screen's approximate x @ W^T: each group of 16 columns with a value within margin of "
            "its row's largest recomputed as matmul computes it, in place; returns how many groups")
@@ -45,6 +52,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           case swa::Format::kInt8: return "int8";
           case swa::Format::kInt8Block: return "int8-block";
           case swa::Format::kInt4Half: return "int4-half";
+          case swa::Format::kInt8Wide: return "int8-wide";
           default: return "int4";
         }
       });

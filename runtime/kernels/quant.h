@@ -1,8 +1,9 @@
-// Low-bit projections at decode sizes (1 to 8 rows) on AVX512-VNNI: int8 per-channel weights and exactly-4-bit
+// Low-bit projections on AVX512-VNNI: int8 per-channel weights, int8 with a scale per block of 32 or 128, exactly-4-bit
 // weights with a float32 scale and offset per group of 32. See quant.cpp for the layouts and why.
 
 #pragma once
 
+#include <memory>
 #include <vector>
 
 #include "common.h"
@@ -10,6 +11,7 @@
 namespace swa {
 
 constexpr int64_t kBlock = 32;   // activation values per quantisation block; int4 weights per (scale, offset)
+constexpr int64_t kWideBlock = 128;  // the same for the wide format (kInt8Wide): prefill's tiles
 constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
@@ -18,38 +20,53 @@ constexpr bool kHasVnni = true;
 constexpr bool kHasVnni = false;
 #endif
 
-// Activations (M, K) quantised per block of 32 values: symmetric int8 with one float scale a block (as
+// Activations (M, K) quantised per block of 32 (or 128) values: symmetric int8 with one float scale a block (as
 // llama.cpp's Q8 blocks), the int32 sum of each block's quantised values (the int8 format's +128 comes back
 // out through it) and the float sum of each block's own values (int4's offsets multiply it).
 struct QuantizedRows {
-  int64_t M = 0, K = 0;
+  int64_t M = 0, K = 0, block = kBlock;
   std::vector<int8_t> q;
   std::vector<float> scale, sum;
   std::vector<int32_t> qsum;
 
   template <typename T>
-  void quantize(const T* x, int64_t rows, int64_t cols);
+  void quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values = kBlock);
 };
 
 // kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
 // tensors, exactly); kInt4: 16 levels with a step and an offset per row and block; kInt4Half: the same with the
 // step and offset rounded to float16 (a screen's coarse copy: 2 bytes a scale instead of 4 take a sixth off its
-// size).
-enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2, kInt4Half = 3 };
+// size); kInt8Wide: int8 with one float32 scale per row and block of 128, its activations quantised per 128 too
+// (prefill's tiles: a quarter of the per-block scaling, quant.cpp).
+enum class Format : int64_t { kInt8 = 0, kInt4 = 1, kInt8Block = 2, kInt4Half = 3, kInt8Wide = 4 };
 
 constexpr bool is_int4(Format f) { return f == Format::kInt4 || f == Format::kInt4Half; }
+// Values a block of activations holds (one scale a block), and 64-byte lines of weights per 16 rows and block.
+constexpr int64_t block_values(Format f) { return f == Format::kInt8Wide ? kWideBlock : kBlock; }
+constexpr int64_t block_lines(Format f) { return is_int4(f) ? 4 : block_values(f) / 4; }
 
-// One weight (N, K) in a kernel's packed layout: y (M, N) = x (M, K) @ W^T for M in 1..8.
+// One weight (N, K) in a kernel's packed layout: y (M, N) = x (M, K) @ W^T; optionally a second copy (`tiles`)
+// that takes the rows past kMaxRows.
 class Projection {
  public:
   // int8 (N, K) with float32 scales (N,): W = q * scale per row; or (N, K / 32): W = q * scale per block of 32.
   static Projection int8(const at::Tensor& q, const at::Tensor& scales);
+  // int8 (N, K) with float32 scales (N, K / 128): W = q * scale per block of 128 (kInt8Wide).
+  static Projection int8_wide(const at::Tensor& q, const at::Tensor& scales);
   // q (N, K) in 0..15 (uint8 or int32), step and low (N, K / 32) float32: W = low + step * q per group of 32.
   // With `half_scales`, step and low are kept rounded to float16 (kInt4Half).
   static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low, bool half_scales = false);
 
-  // (M, K) -> (M, N) in x's dtype or float32: up to kMaxRows rows streamed (`run`), more in tiles (`run_tiled`).
+  // (M, K) -> (M, N) in x's dtype or float32: up to kMaxRows rows streamed (`run`), more in tiles (`run_tiled`),
+  // on the `tiles` copy where there is one.
   at::Tensor matmul(const at::Tensor& x, bool float_out) const;
+  // y (rows, N) = x (rows, K) @ W^T as `matmul` computes it, quantising x into `xq`.
+  template <typename T, typename Y>
+  void apply(const T* x, int64_t rows, Y* y, QuantizedRows& xq) const;
+  // The copy that takes rows past kMaxRows instead of this one (same shape); see `apply`.
+  void set_tiles(const Projection& tiles);
+  void drop_tiles() { tiles_.reset(); }
+  bool has_tiles() const { return tiles_ != nullptr; }
   template <typename T>
   void run(const QuantizedRows& x, T* y) const;  // y (x.M <= 8, N), threads from ATen's pool
   template <typename T>
@@ -62,7 +79,7 @@ class Projection {
 
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
-  int64_t nbytes() const { return packed_.numel() + scales_.numel() * scales_.element_size(); }
+  int64_t nbytes() const { return packed_.numel() + scales_.numel() * scales_.element_size(); }  // this copy's
   Format format() const { return format_; }
 
  private:
@@ -71,6 +88,7 @@ class Projection {
   at::Tensor packed_, scales_;
   int64_t N_, K_;
   Format format_;
+  std::shared_ptr<const Projection> tiles_;
 };
 
 }  // namespace swa

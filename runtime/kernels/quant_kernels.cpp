@@ -5,7 +5,7 @@
 // four without read-ahead on Zen 4: `vnni_vendor`), two for three or four, one beyond, as the registers allow),
 // more in tiles (`Projection::run_tiled`: 4 rows by 48 columns, one `vpdpbusd` for 64 multiply-adds, twice the rate
 // of the bfloat16 `vdpbf16ps` that oneDNN's prepacked GEMM runs on; a tile's weights stay in the core's caches while
-// its rows go by).
+// its rows go by; with blocks of 128 (kInt8Wide), a quarter of the per-block scaling).
 
 #include "quant.h"
 
@@ -30,6 +30,13 @@ inline __m512i broadcast_quad(const int8_t* p) {
 inline __m512 load_halves(const float* scales, int64_t i) {
   const uint16_t* halves = reinterpret_cast<const uint16_t*>(scales) + i;
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves)));
+}
+
+// The 16 scales of an int8 (16 rows, block) at index i: float16 (kInt8Block) or float32 (kInt8Wide).
+template <Format F>
+inline __m512 block_scales(const float* scales, int64_t i) {
+  if constexpr (F == Format::kInt8Wide) return _mm512_loadu_ps(scales + i);
+  else return load_halves(scales, i);
 }
 
 // The 16 steps and 16 offsets of an int4 (16 rows, block) `at` (in (16 rows, block)s): float32, or float16 for
@@ -72,8 +79,8 @@ inline __m512i start_sums(const QuantizedRows& x, int64_t block) {
 template <Format F, typename T, int M, int S, bool kAhead>
 void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
                int64_t g1, const int64_t* list) {
-  const int64_t K = x.K, blocks = K / kBlock;
-  constexpr int64_t kLines = is_int4(F) ? 4 : 8;  // 64-byte lines per 16 rows and block
+  constexpr int64_t kValues = block_values(F), kLines = block_lines(F);  // a block's values; its lines a 16 rows
+  const int64_t K = x.K, blocks = K / kValues;
   const int64_t group_bytes = blocks * kLines * 64;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   const int8_t* xq = x.q.data();
@@ -103,12 +110,12 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
           const __m512i line = _mm512_loadu_si512(at);
           if constexpr (!is_int4(F)) {
             for (int m = 0; m < M; ++m)
-              dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], line, broadcast_quad(xq + m * K + b * kBlock + j * 4));
+              dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], line, broadcast_quad(xq + m * K + b * kValues + j * 4));
           } else {
             const __m512i lo = _mm512_and_si512(line, nibble);
             const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(line, 4), nibble);
             for (int m = 0; m < M; ++m) {
-              const int8_t* xb = xq + m * K + b * kBlock + j * 8;
+              const int8_t* xb = xq + m * K + b * kValues + j * 8;
               dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], lo, broadcast_quad(xb));
               dot[st][m] = _mm512_dpbusd_epi32(dot[st][m], hi, broadcast_quad(xb + 4));
             }
@@ -121,9 +128,9 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
           for (int st = 0; st < live; ++st)
             acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
         }
-      } else if constexpr (F == Format::kInt8Block) {
+      } else if constexpr (F == Format::kInt8Block || F == Format::kInt8Wide) {
         for (int st = 0; st < live; ++st) {
-          const __m512 ws = load_halves(scales, (gs[st] * blocks + b) * 16);
+          const __m512 ws = block_scales<F>(scales, (gs[st] * blocks + b) * 16);
           for (int m = 0; m < M; ++m) {
             const __m512 sx = _mm512_mul_ps(ws, _mm512_set1_ps(x.scale[m * blocks + b]));
             acc[st][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[st][m]), sx, acc[st][m]);
@@ -206,8 +213,8 @@ void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const Quantized
 template <Format F, typename T, int MR, int NR>
 void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g0, T* y, int64_t N,
           const uint8_t* next = nullptr, int64_t part = 0, int64_t parts = 1) {
-  const int64_t K = x.K, blocks = K / kBlock;
-  constexpr int64_t kLines = is_int4(F) ? 4 : 8;
+  constexpr int64_t kValues = block_values(F), kLines = block_lines(F);
+  const int64_t K = x.K, blocks = K / kValues;
   const int64_t group_bytes = blocks * kLines * 64;
   const __m512i nibble = _mm512_set1_epi8(0x0f);
   // Pointers walked block by block and the lines of a block unrolled, so that a block's loads take constant offsets:
@@ -220,7 +227,7 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
   __m512 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, wp += kLines * 64, xp += kBlock) {
+  for (int64_t b = 0; b < blocks; ++b, wp += kLines * 64, xp += kValues) {
     const bool fetch = next != nullptr && b % parts == part;
     __m512i dot[MR][NR];
     for (int m = 0; m < MR; ++m) {
@@ -259,9 +266,9 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
       const __m512 sx = _mm512_set1_ps(xscale[m * blocks + b]);
       if constexpr (F == Format::kInt8) {
         for (int n = 0; n < NR; ++n) acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), sx, acc[m][n]);
-      } else if constexpr (F == Format::kInt8Block) {
+      } else if constexpr (F == Format::kInt8Block || F == Format::kInt8Wide) {
         for (int n = 0; n < NR; ++n) {
-          const __m512 ws = _mm512_mul_ps(load_halves(scales, ((g0 + n) * blocks + b) * 16), sx);
+          const __m512 ws = _mm512_mul_ps(block_scales<F>(scales, ((g0 + n) * blocks + b) * 16), sx);
           acc[m][n] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m][n]), ws, acc[m][n]);
         }
       } else {
@@ -293,8 +300,7 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
 template <Format F, typename T>
 void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
            T* y, int64_t N) {
-  constexpr int64_t kLines = is_int4(F) ? 4 : 8;
-  const int64_t group_bytes = x.K / kBlock * kLines * 64;
+  const int64_t group_bytes = x.K / block_values(F) * block_lines(F) * 64;
   for (int64_t g = g0; g < g1; g += 3) {
     const int64_t ng = std::min<int64_t>(3, g1 - g);
     const uint8_t* next = g + 3 < N / 16 ? w + (g + 3) * group_bytes : nullptr;
@@ -316,7 +322,8 @@ void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0
 
 template <typename T>
 void Projection::run_tiled(const QuantizedRows& x, T* y) const {
-  TORCH_CHECK(x.K == K_ && x.M >= 1, "activations must be (M, ", K_, ")");
+  TORCH_CHECK(x.K == K_ && x.M >= 1 && x.block == block_values(format_), "activations must be (M, ", K_,
+              ") in blocks of ", block_values(format_));
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block, kInt4Half
   // Blocks of 32 rows, each against every column, the groups in chunks whose weights stay in the core's cache
@@ -334,6 +341,7 @@ void Projection::run_tiled(const QuantizedRows& x, T* y) const {
         case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_); break;
         case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_); break;
         case Format::kInt4Half: tiles<Format::kInt4Half>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt8Wide: tiles<Format::kInt8Wide>(w, sc, x, m0, m1, g0, g1, y, N_); break;
       }
     }
   });
@@ -341,7 +349,8 @@ void Projection::run_tiled(const QuantizedRows& x, T* y) const {
 
 template <typename T>
 void Projection::run(const QuantizedRows& x, T* y) const {
-  TORCH_CHECK(x.K == K_ && x.M >= 1 && x.M <= kMaxRows, "activations must be (M, ", K_, ") with M in 1..8");
+  TORCH_CHECK(x.K == K_ && x.M >= 1 && x.M <= kMaxRows && x.block == block_values(format_), "activations must be (M, ",
+              K_, ") with M in 1..8, in blocks of ", block_values(format_));
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block, kInt4Half
   at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
@@ -350,6 +359,7 @@ void Projection::run(const QuantizedRows& x, T* y) const {
       case Format::kInt8Block: vnni_dispatch<Format::kInt8Block>(x.M, w, sc, x, y, N_, g0, g1); break;
       case Format::kInt4: vnni_dispatch<Format::kInt4>(x.M, w, sc, x, y, N_, g0, g1); break;
       case Format::kInt4Half: vnni_dispatch<Format::kInt4Half>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt8Wide: vnni_dispatch<Format::kInt8Wide>(x.M, w, sc, x, y, N_, g0, g1); break;
     }
   });
 }
@@ -399,6 +409,7 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
   const float* sc = static_cast<const float*>(scales_.data_ptr());
   at::parallel_for(0, static_cast<int64_t>(chosen.size()), 8, [&](int64_t i0, int64_t i1) {
     if (format_ == Format::kInt8Block) vnni_dispatch<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    else if (format_ == Format::kInt8Wide) vnni_dispatch<Format::kInt8Wide>(M, w, sc, x, y, N, i0, i1, chosen.data());
     else vnni_dispatch<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
   });
   return static_cast<int64_t>(chosen.size());

@@ -15,6 +15,15 @@ checkpoint's own float32 values, and hands rows up to the copy's `max_rows` to i
   from memory against 11-12 for `aten::_weight_int8pack_mm` (the fallback), up to 8 rows; perplexity of the
   `int8-head` decode path +0.42% against float32.
 
+Where a copy on our kernels takes every row count (AVX512-VNNI without AMX), it also gets a copy for the rows past
+eight (prefill, decode batches past eight; `with_tiles`): int8 with a float32 scale per row and block of 128,
+requantised from the same float32 values, its activations quantised per 128 too. Prefill is bound by the kernel's
+arithmetic, and a block's scaling takes the units its multiply-adds need: a quarter of it made prefill's
+projections 1.2x (a 2-core Zen 4 EPYC), for about a byte a weight more memory. Perplexity of the prefill path
++0.95% against float32 on the fixed text (+0.03% on the GGUF's blocks), +0.75% against +0.72% on 4k tokens of
+other prose (docs/performance.md). `--prefill-weights gguf` (`set_prefill_weights`) keeps the GGUF's blocks for
+every row count.
+
 On the 2-core Xeon with AMX of this work (2 threads, quiet): a 4096 x 640 weight at one row took 255 against
 355-365 us prepacked bfloat16 in int8, 100 against 329 us in int4 (a 4-bit weight); int8 stays ahead up to 4
 rows and falls behind by 8, int4 up to 8. bfloat16 activations only: a float32 model keeps its exact path.
@@ -25,12 +34,14 @@ from __future__ import annotations
 import torch
 
 from runtime import kernels
+from runtime.config import PREFILL_WEIGHTS
 from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import Linear, linear
 
 INT8_MAX_ROWS = 4
-_forced = False  # every row count through the copy (`runtime.layers.quantized.kernel_path_only`)
+DECODE_ROWS = 8  # rows the streaming kernels take (the kernels' MAX_ROWS): past them, the tiles' arithmetic
+_forced = False  # every row count through the copy, DECODE_ROWS at a time (`runtime.layers.quantized.kernel_path_only`)
 
 
 def force_decode_copies(on: bool) -> bool:
@@ -86,20 +97,69 @@ class Int8DecodeWeight:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
+def quantize_per_block(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows, cols / block)): symmetric, round to
+    nearest, one scale per row and block of `block` values."""
+    w = weight.float()
+    rows, cols = w.shape
+    blocks = w.view(rows, cols // block, block)
+    scales = blocks.abs().amax(dim=2) / INT8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: any scale, q = 0
+    q = torch.round(blocks / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.view(rows, cols), scales
+
+
+# Values per block of the tiles' copy (`with_tiles`): the rows past the streaming kernel's eight (prefill, decode
+# batches past eight) run on int8 weights and activations quantised per 128 values instead of the GGUF's 32: the
+# kernel scales its integer sums once per 128 values instead of four times, and those scalings took the issue
+# ports the `vpdpbusd`s need (prefill's projections 1.2x on a Zen 4 EPYC; docs/performance.md).
+WIDE_BLOCK = 128
+
+
+def with_tiles(copy: Int4Weight | Int8DecodeWeight | None, weight: torch.Tensor):
+    """`copy`, its kernel projection given an int8 copy in blocks of 128 (`WIDE_BLOCK`) for the rows past eight,
+    where the copy takes every row count on our kernels and the width divides into such blocks."""
+    projection = getattr(copy, "projection", None)
+    if projection is not None and copy.max_rows >= EVERY_ROW and weight.shape[1] % WIDE_BLOCK == 0:
+        projection.set_tiles(kernels.load().Projection.int8_wide(*quantize_per_block(weight, WIDE_BLOCK)))
+    return copy
+
+
 def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:
-    """The copy a weight (float, as loaded) gets in a model of `dtype`: int4 if exactly 4-bit, else int8;
-    None in a float32 model, off the CPU or without the kernels."""
+    """The copy a weight (float, as loaded) gets in a model of `dtype`: int4 if exactly 4-bit, else int8 (with
+    a tiles' copy in blocks of 128 for the rows past eight, `with_tiles`); None in a float32 model, off the CPU
+    or without the kernels."""
     if dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     grid = int4_grid(weight) if Int4Weight.wanted(weight, dtype) else None
     if grid is not None:
-        return Int4Weight(*grid, dtype)
+        return with_tiles(Int4Weight(*grid, dtype), weight)
     blocks = int8_block_grid(weight) if kernels.has_vnni() and weight.shape[0] % 16 == 0 else None
     if blocks is not None:
-        return Int8DecodeWeight(*blocks, dtype)
+        return with_tiles(Int8DecodeWeight(*blocks, dtype), weight)
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return None
-    return Int8DecodeWeight(*quantize_per_channel(weight), dtype)
+    return with_tiles(Int8DecodeWeight(*quantize_per_channel(weight), dtype), weight)
+
+
+def set_prefill_weights(model: torch.nn.Module, kind: str) -> int:
+    """`kind` "int8-128": the rows past eight on the tiles' copies made at load (`with_tiles`); "gguf": those
+    copies dropped from this model for good (their memory back), every row count on the GGUF's own blocks.
+    Returns how many projections run their rows past eight on a tiles' copy now."""
+    if kind not in PREFILL_WEIGHTS:
+        raise ValueError(f"prefill weights must be one of {', '.join(PREFILL_WEIGHTS)}, not {kind!r}")
+    count = 0
+    for module in model.modules():
+        projection = getattr(getattr(module, "decode", None), "projection", None)
+        if not isinstance(module, DecodeLinear) or projection is None or not projection.has_tiles:
+            continue
+        if kind == "gguf":
+            projection.drop_tiles()
+            module.decode = module.decode  # counted as a new copy: what holds the old one (a decode stack) remakes
+        else:
+            count += 1
+    return count
+
 
 
 def _make_copy(module: "DecodeLinear", state_dict: dict, prefix: str, *args) -> None:
@@ -140,6 +200,8 @@ class DecodeLinear(Linear):
         copy = self.decode
         if (copy is not None and x.dim() == 2 and (x.shape[0] <= copy.max_rows or _forced) and x.dtype == copy.dtype
                 and x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            if _forced and x.shape[0] > DECODE_ROWS:  # decode's arithmetic: a few rows at a time, never the tiles'
+                return torch.cat([copy.matmul(rows) for rows in x.split(DECODE_ROWS)])
             return copy.matmul(x)
         return linear(x, self.weight, self.packed)
 

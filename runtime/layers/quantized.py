@@ -62,8 +62,9 @@ _dequant_min_rows = DEQUANT_MIN_ROWS
 @contextmanager
 def kernel_path_only() -> Iterator[None]:
     """Every int8 and int4 matmul through its decode kernel (the `int8` format's and the decode copies of
-    `runtime/layers/decode_linear.py`), whatever its row count, while inside: scores a whole text in one
-    forward with decode's arithmetic (quality measurements). Not thread-safe; not for serving."""
+    `runtime/layers/decode_linear.py`, eight rows at a time: past them a copy's rows run in tiles, in blocks of 128
+    where it has a tiles' copy), whatever its row count, while inside: scores a whole text in one forward with
+    decode's arithmetic (quality measurements). Not thread-safe; not for serving."""
     global _dequant_min_rows
     previous, _dequant_min_rows = _dequant_min_rows, 2**62
     previous_forced = force_decode_copies(True)

@@ -287,11 +287,11 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path):
     assert flag == "True True" and "Error" in why, why
 
 
-def _quantised_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (M, K) per block of 32 as the kernels quantise it: (int8 values (M, K/32, 32) as float, scales
-    (M, K/32, 1)), symmetric, round half to even."""
+def _quantised_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (M, K) per block of `block` values as the kernels quantise it: (int8 values (M, K/block, block) as
+    float, scales (M, K/block, 1)), symmetric, round half to even."""
     M, K = x.shape
-    xb = x.float().view(M, K // 32, 32)
+    xb = x.float().view(M, K // block, block)
     top = xb.abs().amax(-1, keepdim=True)
     inverse = torch.full_like(top, 127.0) / top  # a true division (`127 / top` multiplies by a reciprocal)
     return torch.round(xb * torch.where(top > 0, inverse, torch.zeros_like(top))), top / 127
@@ -372,6 +372,73 @@ def test_int8_projection_with_a_scale_per_block(vnni, rows):
     torch.testing.assert_close(weight.matmul(x).double(), expected, rtol=1e-5, atol=1e-5)
     exact = x.double() @ (q.double() * scales.double().repeat_interleave(32, 1)).T
     assert (weight.matmul(x).double() - exact).norm() / exact.norm() < 0.02
+
+
+def _wide_weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8),
+            torch.rand(N, K // 128, generator=gen) / 100 + 1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 38, 101])  # up to 8 streamed, more in tiles
+def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(vnni, rows):
+    """int8 values with a float32 scale per row and block of 128, the activations quantised per 128 values too:
+    each block's integer sum scaled once by both scales."""
+    torch.manual_seed(rows)
+    N, Kd = 80, 640  # 5 groups of 16 rows (the tiles' 3 and an edge of 2), 5 blocks of 128
+    q, scales = _wide_weight(N, Kd, rows)
+    x = torch.randn(rows, Kd)
+    x[0, :128] = 0  # an all-zero block: scale 0, no division by it
+    weight = vnni.Projection.int8_wide(q, scales)
+    assert (weight.format, weight.out_features, weight.in_features) == ("int8-wide", N, Kd)
+    assert weight.nbytes == N * Kd + 4 * N * Kd // 128 and not weight.has_tiles
+    xq, xs = _quantised_blocks(x, 128)
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 128).double())  # exact integers
+    expected = (dots * xs.double().view(rows, 1, -1) * scales.double()[None]).sum(-1)
+    torch.testing.assert_close(weight.matmul(x).double(), expected, rtol=1e-5, atol=1e-5)
+    xq16, xs16 = _quantised_blocks(x.bfloat16(), 128)
+    dots16 = torch.einsum("mbk,nbk->mnb", xq16.double(), q.view(N, -1, 128).double())
+    expected16 = (dots16 * xs16.double().view(rows, 1, -1) * scales.double()[None]).sum(-1)
+    torch.testing.assert_close(weight.matmul(x.bfloat16(), float_out=True).double(), expected16, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ (q.double() * scales.double().repeat_interleave(128, 1)).T
+    assert (weight.matmul(x).double() - exact).norm() / exact.norm() < 0.02  # the activations' blocks only
+
+
+def test_a_tiles_copy_takes_the_rows_past_eight_only(vnni):
+    """A projection with a tiles' copy: up to 8 rows on its own weight, more on the copy (and its blocks of 128),
+    in `matmul` as in the fused layer calls; dropped, every row count on its own weight again."""
+    torch.manual_seed(0)
+    N, Kd = 48, 256
+    q = torch.randint(-16, 16, (N, Kd), dtype=torch.int8)
+    scales = (torch.rand(N, Kd // 32) / 100).half().float()
+    own, alone = vnni.Projection.int8(q, scales), vnni.Projection.int8(q, scales)
+    tiles = vnni.Projection.int8_wide(*_wide_weight(N, Kd, 1))
+    own.set_tiles(tiles)
+    assert own.has_tiles and own.format == "int8-block" and own.nbytes == alone.nbytes  # nbytes: its own copy's
+    for rows in (1, 8):
+        x = torch.randn(rows, Kd).bfloat16()
+        assert torch.equal(own.matmul(x), alone.matmul(x))
+    for rows in (9, 40):
+        x = torch.randn(rows, Kd).bfloat16()
+        assert torch.equal(own.matmul(x), tiles.matmul(x)) and not torch.equal(own.matmul(x), alone.matmul(x))
+    own.drop_tiles()
+    assert not own.has_tiles and torch.equal(own.matmul(x), alone.matmul(x))
+
+
+def test_a_tiles_copy_must_fit_and_blocks_of_128_must_divide(vnni):
+    q, scales = _wide_weight(48, 256, 0)
+    own = vnni.Projection.int8(q, torch.rand(48) / 100)
+    with pytest.raises(RuntimeError, match="this weight's shape"):
+        own.set_tiles(vnni.Projection.int8_wide(*_wide_weight(32, 256, 0)))
+    nested = vnni.Projection.int8_wide(q, scales)
+    nested.set_tiles(vnni.Projection.int8_wide(q, scales))
+    with pytest.raises(RuntimeError, match="not have one of its own"):
+        own.set_tiles(nested)
+    assert not own.has_tiles  # refused: nothing set
+    with pytest.raises(RuntimeError, match="K of 128"):
+        vnni.Projection.int8_wide(torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 1))
+    with pytest.raises(RuntimeError, match=r"float32 \(N, K / 128\)"):
+        vnni.Projection.int8_wide(q, torch.ones(48, 8))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 38, 101])

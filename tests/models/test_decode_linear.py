@@ -117,7 +117,8 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
             torch.testing.assert_close(got.float(), ref, rtol=0.05, atol=0.05)
     x = torch.randn(9, 128).bfloat16()
     with torch.no_grad(), kernel_path_only():
-        assert torch.equal(layer(x), layer.decode.matmul(x))  # the quality benchmark's decode path
+        # the quality benchmark's decode path: eight rows at a time, as decode steps run them
+        assert torch.equal(layer(x), torch.cat([layer.decode.matmul(x[:8]), layer.decode.matmul(x[8:])]))
 
 
 def test_with_amx_our_copies_serve_decode_only_and_the_weight_keeps_its_pack(monkeypatch):
@@ -151,3 +152,61 @@ def test_the_memory_floor_counts_the_decode_copies_bytes():
     saved = layer.weight.numel() * 2 - layer.decode.nbytes()
     layer.decode = None
     assert with_copy == decode_weight_bytes(plain, 1) - saved
+
+
+def test_a_weight_quantised_per_block_of_128_is_within_half_a_step():
+    w = torch.randn(32, 256) * torch.logspace(-3, 0, 256)  # blocks of very different magnitudes
+    w[5, 128:] = 0  # an all-zero block
+    q, scales = decode_linear.quantize_per_block(w, 128)
+    assert q.dtype == torch.int8 and scales.shape == (32, 2) and int(q.abs().max()) == 127
+    step = scales.repeat_interleave(128, 1)
+    assert bool(((q.float() * step - w).abs() <= step / 2 + 1e-9).all())
+    assert bool((q[5, 128:] == 0).all())
+
+
+def _vnni_without_amx():
+    if not kernels.has_vnni():
+        pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI)")
+    if OUR_MAX_ROWS < EVERY_ROW:
+        pytest.skip("with AMX prefill keeps oneDNN's bfloat16 weight: no tiles' copies")
+
+
+@needs_kernel
+@pytest.mark.parametrize("kind", ["int4", "int8-block", "int8"])
+def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_of_128(kind):
+    _vnni_without_amx()
+    torch.manual_seed(0)
+    w = {"int4": q4k_like(96, 256), "int8-block": symmetric_blocks_like(96, 256, -16),
+         "int8": torch.randn(96, 256) * 0.05}[kind]
+    layer = DecodeLinear(256, 96).to(torch.bfloat16)
+    layer.load_state_dict({"weight": w})
+    assert layer.decode.projection.has_tiles
+    tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w, 128))
+    x = torch.randn(40, 256).bfloat16()
+    with torch.no_grad():
+        assert torch.equal(layer(x), tiles.matmul(x))  # past eight rows: the copy in blocks of 128
+        assert not torch.equal(layer(x[:8]), tiles.matmul(x[:8]))  # up to eight: the GGUF's own blocks
+        torch.testing.assert_close(layer(x).float(), x.float() @ w.T, rtol=0.05, atol=0.05)
+    narrow = DecodeLinear(96, 32).to(torch.bfloat16)  # 96 values a row: no whole block of 128
+    narrow.load_state_dict({"weight": torch.randn(32, 96) * 0.05})
+    assert narrow.decode.projection is not None and not narrow.decode.projection.has_tiles
+
+
+@needs_kernel
+def test_prefill_weights_gguf_drops_the_tiles_copies_and_remakes_what_holds_them():
+    _vnni_without_amx()
+    model = torch.nn.Sequential(DecodeLinear(256, 96), DecodeLinear(256, 32)).to(torch.bfloat16)
+    for layer in model:
+        layer.load_state_dict({"weight": torch.randn(layer.out_features, 256) * 0.05})
+    assert decode_linear.set_prefill_weights(model, "int8-128") == 2
+    before = DecodeLinear.copies_set
+    x = torch.randn(20, 256).bfloat16()
+    with torch.no_grad():
+        tiled = model[0](x)
+        assert decode_linear.set_prefill_weights(model, "gguf") == 0
+        assert DecodeLinear.copies_set == before + 2  # a decode stack made before would be remade
+        assert not any(layer.decode.projection.has_tiles for layer in model)
+        assert not torch.equal(model[0](x), tiled)  # the GGUF's own blocks now
+        assert torch.equal(model[0](x), model[0].decode.projection.matmul(x))
+    with pytest.raises(ValueError, match="int8-128, gguf"):
+        decode_linear.set_prefill_weights(model, "int4")
