@@ -189,7 +189,7 @@ def main() -> None:
     base_ppl = None
     for dt, quant in VARIANTS:
         model = build_model(config, state, getattr(torch, dt), quantization=quant)
-        set_prefill_weights(model, args.prefill_weights)
+        set_prefill_weights(model, args.prefill_weights == "int8-128")
         greedy = greedy_agreement(engine_greedy(args.model, model, tokenizer, dt, quant, prompts, args.new_tokens,
                                                 args.prefill_weights), ref_greedy[dt])
         paths = ((False, ""),) if quant == "none" else ((False, ", prefill path"), (True, ", decode path"))

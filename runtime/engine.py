@@ -71,7 +71,7 @@ class Engine:
         if model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
-        set_prefill_weights(model, cfg.prefill_weights)  # runtime/layers/decode_linear.py
+        set_prefill_weights(model, cfg.prefill_weights == "int8-128")  # runtime/layers/decode_linear.py
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import torch
 
 from runtime import kernels
-from runtime.config import PREFILL_WEIGHTS
 from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import Linear, linear
@@ -142,22 +141,20 @@ def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8De
     return with_tiles(Int8DecodeWeight(*quantize_per_channel(weight), dtype), weight)
 
 
-def set_prefill_weights(model: torch.nn.Module, kind: str) -> int:
-    """`kind` "int8-128": the rows past eight on the tiles' copies made at load (`with_tiles`); "gguf": those
-    copies dropped from this model for good (their memory back), every row count on the GGUF's own blocks.
-    Returns how many projections run their rows past eight on a tiles' copy now."""
-    if kind not in PREFILL_WEIGHTS:
-        raise ValueError(f"prefill weights must be one of {', '.join(PREFILL_WEIGHTS)}, not {kind!r}")
+def set_prefill_weights(model: torch.nn.Module, tiles: bool) -> int:
+    """`tiles` (`--prefill-weights int8-128`): the rows past eight on the tiles' copies made at load (`with_tiles`);
+    else (`gguf`) those copies dropped from this model for good (their memory back), every row count on the GGUF's
+    own blocks. Returns how many projections run their rows past eight on a tiles' copy now."""
     count = 0
     for module in model.modules():
         projection = getattr(getattr(module, "decode", None), "projection", None)
         if not isinstance(module, DecodeLinear) or projection is None or not projection.has_tiles:
             continue
-        if kind == "gguf":
+        if tiles:
+            count += 1
+        else:
             projection.drop_tiles()
             module.decode = module.decode  # counted as a new copy: what holds the old one (a decode stack) remakes
-        else:
-            count += 1
     return count
 
 

@@ -198,15 +198,13 @@ def test_prefill_weights_gguf_drops_the_tiles_copies_and_remakes_what_holds_them
     model = torch.nn.Sequential(DecodeLinear(256, 96), DecodeLinear(256, 32)).to(torch.bfloat16)
     for layer in model:
         layer.load_state_dict({"weight": torch.randn(layer.out_features, 256) * 0.05})
-    assert decode_linear.set_prefill_weights(model, "int8-128") == 2
+    assert decode_linear.set_prefill_weights(model, tiles=True) == 2
     before = DecodeLinear.copies_set
     x = torch.randn(20, 256).bfloat16()
     with torch.no_grad():
         tiled = model[0](x)
-        assert decode_linear.set_prefill_weights(model, "gguf") == 0
+        assert decode_linear.set_prefill_weights(model, tiles=False) == 0
         assert DecodeLinear.copies_set == before + 2  # a decode stack made before would be remade
         assert not any(layer.decode.projection.has_tiles for layer in model)
         assert not torch.equal(model[0](x), tiled)  # the GGUF's own blocks now
         assert torch.equal(model[0](x), model[0].decode.projection.matmul(x))
-    with pytest.raises(ValueError, match="int8-128, gguf"):
-        decode_linear.set_prefill_weights(model, "int4")
