@@ -141,7 +141,7 @@ def text_prompts(ids: list[int], count: int, length: int, bos: int) -> list[list
 
 
 def engine_greedy(model_name: str, model, tokenizer, dtype: str, quantization: str, prompts, new_tokens: int,
-                  prefill_weights: str = "int8-128"):
+                  prefill_weights: str):
     from runtime.config import EngineConfig
     from runtime.core import SamplingParams
     from runtime.engine import Engine
@@ -156,18 +156,19 @@ def engine_greedy(model_name: str, model, tokenizer, dtype: str, quantization: s
 
 
 def main() -> None:
+    from runtime.config import PREFILL_WEIGHTS, EngineConfig
+
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--prefill-weights", choices=("int8-128", "gguf"), default="int8-128",
+    ap.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default=EngineConfig().prefill_weights,
                     help="int8-head's rows past eight: int8 in blocks of 128 (the default) or the GGUF's blocks")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=48)
     args = ap.parse_args()
 
     from runtime.bench import load_transformers, run_transformers
-    from runtime.config import EngineConfig
     from runtime.layers.decode_linear import set_prefill_weights
     from runtime.models.loader import build_model, read_weights
     from runtime.models.tokenizer import load_tokenizer

@@ -147,8 +147,9 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
               "scales must be contiguous float32 (N,) or (N, K / 32)");
   if (!per_block) return Projection(pack_int8(w), scales.clone(), N, K, Format::kInt8);
   // Per-block scales are kept as float16, the GGUF's own (Q8_0 and Q5_0 store d in float16): exact, 2 bytes a block.
-  TORCH_CHECK(at::equal(scales.to(at::kHalf).to(at::kFloat), scales),
-              "per-block scales must be float16 values (a GGUF's Q8_0 or Q5_0 scales)");
+  const auto inexact = scales.to(at::kHalf).to(at::kFloat).ne(scales);
+  TORCH_CHECK(!inexact.any().item<bool>(), "per-block scales must be float16 values (a GGUF's Q8_0 or Q5_0 scales), got ",
+              scales.masked_select(inexact)[0].item<float>());
   return Projection(pack_int8(w), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
 }
 

@@ -56,11 +56,20 @@ INT8_MAX = 127
 
 def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows,)), symmetric, round to nearest."""
+    q, scales = quantize_per_block(weight, weight.shape[1])  # one block a row
+    return q, scales[:, 0]
+
+
+def quantize_per_block(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows, cols / block)): symmetric, round to
+    nearest, one scale per row and block of `block` values."""
     w = weight.float()
-    scales = w.abs().amax(dim=1) / INT8_MAX  # (rows,)
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero row: any scale, q = 0
-    q = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
+    rows, cols = w.shape
+    blocks = w.reshape(rows, cols // block, block)
+    scales = blocks.abs().amax(dim=2) / INT8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: any scale, q = 0
+    q = torch.round(blocks / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.view(rows, cols), scales
 
 
 class Int8DecodeWeight:
@@ -94,18 +103,6 @@ class Int8DecodeWeight:
         if self.projection is not None:
             return self.projection.nbytes
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
-
-
-def quantize_per_block(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows, cols) float -> (int8 (rows, cols), float32 scales (rows, cols / block)): symmetric, round to
-    nearest, one scale per row and block of `block` values."""
-    w = weight.float()
-    rows, cols = w.shape
-    blocks = w.view(rows, cols // block, block)
-    scales = blocks.abs().amax(dim=2) / INT8_MAX
-    scales = torch.where(scales > 0, scales, torch.ones_like(scales))  # an all-zero block: any scale, q = 0
-    q = torch.round(blocks / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q.view(rows, cols), scales
 
 
 # Values per block of the tiles' copy (`with_tiles`): the rows past the streaming kernel's eight (prefill, decode

@@ -539,7 +539,7 @@ def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
         vnni.Projection.int8(torch.zeros(16, 64), torch.ones(16))
     with pytest.raises(RuntimeError, match="scales"):
         vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(15))
-    with pytest.raises(RuntimeError, match="float16 values"):
+    with pytest.raises(RuntimeError, match="float16 values.*got 0.1"):
         vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.full((16, 2), 0.1))  # not a float16
     with pytest.raises(RuntimeError, match="0..15"):
         vnni.Projection.int4(torch.full((16, 64), 16, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
