@@ -63,21 +63,6 @@ VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bf
 # ---- teacher-forced scoring ------------------------------------------------------------------------------
 
 
-class SequenceAttention:
-    """A forward-context backend for one sequence without a KV cache: token i sits at position i."""
-
-    def forward(self, q, k, v, layer):  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
-        T = q.shape[0]
-        i = torch.arange(T, device=q.device)
-        visible = i[None, :] <= i[:, None]  # (Tq, Tk)
-        if layer.sliding_window is not None:
-            visible &= i[:, None] - i[None, :] < layer.sliding_window
-        q32, k32, v32 = (x.float().transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, T, D)
-        out = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=visible, scale=layer.scaling,
-                                             enable_gqa=True)  # (1, H, T, D)
-        return out[0].transpose(0, 1).to(q.dtype)
-
-
 def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tensor:
     """(T, vocab) float32 logits of this runtime's `model` at every position of `ids`, in one forward;
     `decode_path`: int8 matmuls through the kernel that decode uses, and the logits one position at a time
@@ -86,6 +71,7 @@ def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tens
 
     from runtime.context import ForwardContext, forward_context
     from runtime.layers.quantized import kernel_path_only
+    from runtime.models.calibration import SequenceAttention
 
     ids_t = torch.tensor(ids, device=model.device)
     ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=SequenceAttention())
@@ -169,7 +155,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from runtime.bench import load_transformers, run_transformers
-    from runtime.layers.decode_linear import set_prefill_weights
+    from runtime.models.calibration import prepare_prefill_weights
     from runtime.models.loader import build_model, read_weights
     from runtime.models.tokenizer import load_tokenizer
 
@@ -190,7 +176,7 @@ def main() -> None:
     base_ppl = None
     for dt, quant in VARIANTS:
         model = build_model(config, state, getattr(torch, dt), quantization=quant)
-        set_prefill_weights(model, args.prefill_weights == "int8-128")
+        prepare_prefill_weights(model, args.prefill_weights == "int8-128", tokenizer)
         greedy = greedy_agreement(engine_greedy(args.model, model, tokenizer, dt, quant, prompts, args.new_tokens,
                                                 args.prefill_weights), ref_greedy[dt])
         paths = ((False, ""),) if quant == "none" else ((False, ", prefill path"), (True, ", decode path"))

@@ -5,7 +5,7 @@ The choice depends on what the CPU can multiply natively:
 
 | CPU features | dtype | quantization | why |
 |---|---|---|---|
-| AMX-BF16 or AVX512-BF16 | bfloat16 | int8-head | bfloat16 units for activations, norms and attention; the LM head and projections read the GGUF's own low-bit blocks (int4 / int8 per block, used exactly) on the fused kernels, prefill too where the CPU has AVX512-VNNI but no AMX, there on int8 in blocks of 128 requantised at load (`--prefill-weights`: prefill's projections 1.2x the GGUF's blocks, which ran 1.5x prepacked bfloat16; with AMX, oneDNN's AMX tiles), decode at the memory's pace; with VNNI a batch-1 step's LM head screened in 4 bits, its top refined in 8 (runtime/layers/head_screen.py) |
+| AMX-BF16 or AVX512-BF16 | bfloat16 | int8-head | bfloat16 units for activations, norms and attention; the LM head and projections read the GGUF's own low-bit blocks (int4 / int8 per block, used exactly) on the fused kernels, prefill too where the CPU has AVX512-VNNI but no AMX, there on int8 in blocks of 128 requantised at load and smoothed by a calibration run (`--prefill-weights`: prefill's projections 1.2x the GGUF's blocks, which ran 1.5x prepacked bfloat16; with AMX, oneDNN's AMX tiles), decode at the memory's pace; with VNNI a batch-1 step's LM head screened in 4 bits, its top refined in 8 (runtime/layers/head_screen.py) |
 | AVX2 or AVX-512 without bfloat16 units | bfloat16 | int8 | bfloat16 matmuls are emulated; int8 weight-only projections read a quarter of float32's bytes |
 | anything else (no AVX2, not x86) | float32 | none | nothing measured there: the exact path |
 

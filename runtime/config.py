@@ -26,8 +26,9 @@ class EngineConfig:
     # (runtime/layers/head_screen.py); off: the int8 head alone
     lm_head_screen: bool = True
     # int8-head on our kernels, rows past eight (prefill, decode batches past eight): int8-128, int8 weights and
-    # activations in blocks of 128 (requantised from the GGUF's at load, 1.2x prefill's projections); gguf: the
-    # GGUF's own blocks for every row count
+    # activations in blocks of 128 (requantised from the GGUF's at load and smoothed by a calibration run at
+    # start-up, 1.2x prefill's projections; runtime/models/calibration.py); gguf: the GGUF's own blocks for every
+    # row count
     prefill_weights: str = "int8-128"
     compile_decode: bool = False  # torch.compile each layer's math around the (eager) attention call
     device: str = "cpu"

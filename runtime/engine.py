@@ -21,11 +21,11 @@ from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
 from runtime.int_tensors import int_tensor
-from runtime.layers.decode_linear import set_prefill_weights
 from runtime.layers.quantized import set_head_screen
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
 from runtime.mem_cache.slots import KVSlots
+from runtime.models.calibration import prepare_prefill_weights
 from runtime.models.loader import load_model
 from runtime.models.tokenizer import load_tokenizer
 from runtime.scheduler.batch import ScheduledBatch
@@ -71,10 +71,10 @@ class Engine:
         if model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
-        set_prefill_weights(model, cfg.prefill_weights == "int8-128")  # runtime/layers/decode_linear.py
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
+        prepare_prefill_weights(model, cfg.prefill_weights == "int8-128", self.tokenizer)  # runtime/models/calibration.py
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
                                  gauges=self, dtype=cfg.dtype, quantization=cfg.quantization)
         # tracing off: no tracer, and every hook is a None check

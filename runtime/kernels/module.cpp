@@ -28,9 +28,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local(), "a weight in a low-bit decode kernel's packed layout")
       .def_static("int8", &Projection::int8,
                   "int8 (N, K) and float32 scales (N,) or (N, K/32): W = q * scale per row or per block of 32")
-      .def_static("int8_wide", &Projection::int8_wide,
+      .def_static("int8_wide", &Projection::int8_wide, pybind11::arg("q"), pybind11::arg("scales"),
+                  pybind11::arg("smooth") = pybind11::none(),
                   "int8 (N, K) and float32 scales (N, K/128): W = q * scale per block of 128, activations in blocks of "
-                  "128 too")
+                  "128 too; smooth (K,) positive: q * scale holds W * smooth, the activations are divided by it")
       .def_static("int4", &Projection::int4, pybind11::arg("q"), pybind11::arg("step"), pybind11::arg("low"),
                   pybind11::arg("half_scales") = false,
                   "q (N, K) in 0..15, step and low (N, K/32): W = low + step * q; half_scales keeps step and low in "
@@ -41,6 +42,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "a copy of this weight (same shape) that takes the rows past MAX_ROWS from now on")
       .def("drop_tiles", &Projection::drop_tiles, "every row count on this copy again")
       .def_property_readonly("has_tiles", &Projection::has_tiles)
+      .def_property_readonly("smoothed", &Projection::smoothed, "whether it or its tiles' copy divides the activations by a smooth")
       .def("refine", &Projection::refine, pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("margin"),
            "y (M, N) float32, a screen's approximate x @ W^T: each group of 16 columns with a value within margin of "
            "its row's largest recomputed as matmul computes it, in place; returns how many groups")

@@ -21,7 +21,10 @@
 //   128, the activations quantised per 128 values too. Prefill's tiles are bound by the `vpdpbusd` port, and each
 //   block's scaling (convert, multiply, add: two of them on that port) came once per 8 `vpdpbusd`s with blocks of
 //   32: 80% of the port's rate in a tile whose data sit in L1, 93% with blocks of 128 (a 2-core Zen 4 EPYC). A
-//   projection's copy for rows past eight (`set_tiles`), requantised from the GGUF's values at load.
+//   projection's copy for rows past eight (`set_tiles`), requantised from the GGUF's values at load. Smoothed
+//   (`smooth`): a few activation columns are tens of times their neighbours', and one such value in a block of 128
+//   sets the block's scale alone; the copy holds W * s and the activations are multiplied by 1 / s as they are
+//   quantised (`QuantizedRows::quantize`), s chosen from the activations' and the weight's column maxima.
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 
@@ -33,16 +36,17 @@
 
 namespace swa {
 
-// One block of B values (32 or 128): symmetric int8 by its largest magnitude (round half to even), its scale, the sum
-// of its int8 values and of its own values.
+// One block of B values (32 or 128), each times `mul`'s where it is not null: symmetric int8 by its largest magnitude
+// (round half to even), its scale, the sum of its int8 values and of its own values.
 template <int64_t B, typename T>
-inline void quantize_block(const T* v, int8_t* q, float* scale, int32_t* qsum, float* sum) {
+inline void quantize_block(const T* v, const float* mul, int8_t* q, float* scale, int32_t* qsum, float* sum) {
 #if defined(__AVX512F__)
   constexpr int64_t V = B / 16;
   __m512 a[V];
   __m512 top16 = _mm512_setzero_ps();
   for (int64_t i = 0; i < V; ++i) {
     a[i] = load16(v + 16 * i);
+    if (mul != nullptr) a[i] = _mm512_mul_ps(a[i], _mm512_loadu_ps(mul + 16 * i));
     top16 = _mm512_max_ps(top16, _mm512_abs_ps(a[i]));
   }
   const float top = _mm512_reduce_max_ps(top16);
@@ -59,15 +63,16 @@ inline void quantize_block(const T* v, int8_t* q, float* scale, int32_t* qsum, f
   *qsum = _mm512_reduce_add_epi32(qs);
   *sum = _mm512_reduce_add_ps(total);
 #else
+  auto value = [&](int64_t i) { return mul != nullptr ? load(v, i) * mul[i] : load(v, i); };
   float top = 0.f, total = 0.f;
   for (int64_t i = 0; i < B; ++i) {
-    top = std::max(top, std::fabs(load(v, i)));
-    total += load(v, i);
+    top = std::max(top, std::fabs(value(i)));
+    total += value(i);
   }
   const float inv = top > 0.f ? 127.f / top : 0.f;
   int32_t s = 0;
   for (int64_t i = 0; i < B; ++i) {
-    const int32_t qi = static_cast<int32_t>(std::nearbyint(load(v, i) * inv));
+    const int32_t qi = static_cast<int32_t>(std::nearbyint(value(i) * inv));
     q[i] = static_cast<int8_t>(qi);
     s += qi;
   }
@@ -78,7 +83,7 @@ inline void quantize_block(const T* v, int8_t* q, float* scale, int32_t* qsum, f
 }
 
 template <typename T>
-void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values) {
+void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values, const float* column_mul) {
   TORCH_CHECK(block_values == kBlock || block_values == kWideBlock, "blocks of 32 or 128 values, not ", block_values);
   TORCH_CHECK(cols % block_values == 0, "a row of ", cols, " values is no whole number of blocks of ", block_values);
   M = rows;
@@ -91,8 +96,11 @@ void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols, int64_t blo
   qsum.resize(M * blocks);
   auto body = [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0 * blocks; i < r1 * blocks; ++i) {
-      if (block == kWideBlock) quantize_block<kWideBlock>(x + i * block, q.data() + i * block, &scale[i], &qsum[i], &sum[i]);
-      else quantize_block<kBlock>(x + i * block, q.data() + i * block, &scale[i], &qsum[i], &sum[i]);
+      const float* mul = column_mul == nullptr ? nullptr : column_mul + (i % blocks) * block;
+      if (block == kWideBlock)
+        quantize_block<kWideBlock>(x + i * block, mul, q.data() + i * block, &scale[i], &qsum[i], &sum[i]);
+      else
+        quantize_block<kBlock>(x + i * block, mul, q.data() + i * block, &scale[i], &qsum[i], &sum[i]);
     }
   };
   if (M <= kMaxRows) {
@@ -102,8 +110,8 @@ void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols, int64_t blo
   }
 }
 
-template void QuantizedRows::quantize<float>(const float*, int64_t, int64_t, int64_t);
-template void QuantizedRows::quantize<bf16>(const bf16*, int64_t, int64_t, int64_t);
+template void QuantizedRows::quantize<float>(const float*, int64_t, int64_t, int64_t, const float*);
+template void QuantizedRows::quantize<bf16>(const bf16*, int64_t, int64_t, int64_t, const float*);
 
 namespace {
 
@@ -153,14 +161,23 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
   return Projection(pack_int8(w), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
 }
 
-Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales) {
+Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales, const std::optional<at::Tensor>& smooth) {
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 2 && w.is_contiguous(), "w must be contiguous int8 (N, K)");
   const int64_t N = w.size(0), K = w.size(1);
   TORCH_CHECK(N % 16 == 0 && K % kWideBlock == 0, "N must be a multiple of 16 and K of 128");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == K / kWideBlock,
               "scales must be float32 (N, K / 128)");
-  return Projection(pack_int8(w), group_scales(scales.contiguous(), at::kFloat), N, K, Format::kInt8Wide);
+  Projection p(pack_int8(w), group_scales(scales.contiguous(), at::kFloat), N, K, Format::kInt8Wide);
+  if (smooth.has_value()) {
+    const at::Tensor& s = *smooth;
+    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == K, "smooth must be float32 (", K,
+                ",), got ", s.scalar_type(), " ", s.sizes());
+    TORCH_CHECK(at::isfinite(s).all().item<bool>() && s.gt(0).all().item<bool>(),
+                "smooth must be finite and positive, got ", s.min().item<float>(), "..", s.max().item<float>());
+    p.column_mul_ = s.reciprocal().contiguous();
+  }
+  return p;
 }
 
 Projection Projection::int4(const at::Tensor& q_in, const at::Tensor& step, const at::Tensor& low, bool half_scales) {
@@ -218,7 +235,7 @@ void Projection::set_tiles(const Projection& tiles) {
 template <typename T, typename Y>
 void Projection::apply(const T* x, int64_t rows, Y* y, QuantizedRows& xq) const {
   const Projection& p = rows > kMaxRows && tiles_ != nullptr ? *tiles_ : *this;
-  xq.quantize(x, rows, K_, block_values(p.format_));
+  xq.quantize(x, rows, K_, block_values(p.format_), p.column_mul());
   if (rows <= kMaxRows) {
     p.run(xq, y);
   } else {
@@ -261,7 +278,7 @@ int64_t Projection::refine(const at::Tensor& x, const at::Tensor& y, double marg
   QuantizedRows xq;
   const auto xc = x.contiguous();
   with_float_type(xc.scalar_type(), [&](auto tag) {
-    xq.quantize(data_of<decltype(tag)>(xc), xc.size(0), K_, block_values(format_));
+    xq.quantize(data_of<decltype(tag)>(xc), xc.size(0), K_, block_values(format_), column_mul());
   });
   return refine_groups(xq, y.data_ptr<float>(), static_cast<float>(margin));
 }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "common.h"
@@ -29,8 +30,11 @@ struct QuantizedRows {
   std::vector<float> scale, sum;
   std::vector<int32_t> qsum;
 
+  // `column_mul` (cols,), or null: each row multiplied by it value by value before it is quantised (a smoothed
+  // copy's activations, `Projection::int8_wide`).
   template <typename T>
-  void quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values = kBlock);
+  void quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values = kBlock,
+                const float* column_mul = nullptr);
 };
 
 // kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
@@ -51,8 +55,12 @@ class Projection {
  public:
   // int8 (N, K) with float32 scales (N,): W = q * scale per row; or (N, K / 32): W = q * scale per block of 32.
   static Projection int8(const at::Tensor& q, const at::Tensor& scales);
-  // int8 (N, K) with float32 scales (N, K / 128): W = q * scale per block of 128 (kInt8Wide).
-  static Projection int8_wide(const at::Tensor& q, const at::Tensor& scales);
+  // int8 (N, K) with float32 scales (N, K / 128): W = q * scale per block of 128 (kInt8Wide). With `smooth` (K,)
+  // float32, positive: q * scale holds W * smooth column by column, and the activations are divided by it (multiplied
+  // by its reciprocal) before they are quantised, so that the product is unchanged and a few large activation columns
+  // no longer set their blocks' scales alone.
+  static Projection int8_wide(const at::Tensor& q, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& smooth = std::nullopt);
   // q (N, K) in 0..15 (uint8 or int32), step and low (N, K / 32) float32: W = low + step * q per group of 32.
   // With `half_scales`, step and low are kept rounded to float16 (kInt4Half).
   static Projection int4(const at::Tensor& q, const at::Tensor& step, const at::Tensor& low, bool half_scales = false);
@@ -79,13 +87,19 @@ class Projection {
 
   int64_t out_features() const { return N_; }
   int64_t in_features() const { return K_; }
-  int64_t nbytes() const { return packed_.numel() + scales_.numel() * scales_.element_size(); }  // this copy's
+  int64_t nbytes() const {  // this copy's
+    return packed_.numel() + scales_.numel() * scales_.element_size() + column_mul_.numel() * sizeof(float);
+  }
   Format format() const { return format_; }
+  // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)
+  bool smoothed() const { return column_mul_.defined() || (tiles_ != nullptr && tiles_->smoothed()); }
 
  private:
   Projection(at::Tensor packed, at::Tensor scales, int64_t N, int64_t K, Format format)
       : packed_(std::move(packed)), scales_(std::move(scales)), N_(N), K_(K), format_(format) {}
+  const float* column_mul() const { return column_mul_.defined() ? column_mul_.data_ptr<float>() : nullptr; }
   at::Tensor packed_, scales_;
+  at::Tensor column_mul_;  // (K,) float32, the activations' multipliers of a smoothed copy; undefined otherwise
   int64_t N_, K_;
   Format format_;
   std::shared_ptr<const Projection> tiles_;

@@ -15,14 +15,17 @@ checkpoint's own float32 values, and hands rows up to the copy's `max_rows` to i
   from memory against 11-12 for `aten::_weight_int8pack_mm` (the fallback), up to 8 rows; perplexity of the
   `int8-head` decode path +0.42% against float32.
 
-Where a copy on our kernels takes every row count (AVX512-VNNI without AMX), it also gets a copy for the rows past
-eight (prefill, decode batches past eight; `with_tiles`): int8 with a float32 scale per row and block of 128,
-requantised from the same float32 values, its activations quantised per 128 too. Prefill is bound by the kernel's
-arithmetic, and a block's scaling takes the units its multiply-adds need: a quarter of it made prefill's
-projections 1.2x (a 2-core Zen 4 EPYC), for about a byte a weight more memory. Perplexity of the prefill path
-+0.95% against float32 on the fixed text (+0.03% on the GGUF's blocks), +0.75% against +0.72% on 4k tokens of
-other prose (docs/performance.md). `--prefill-weights gguf` (`set_prefill_weights`) keeps the GGUF's blocks for
-every row count.
+Where a copy on our kernels takes every row count (AVX512-VNNI without AMX), it can also get a copy for the rows
+past eight (prefill, decode batches past eight; `make_tiles`): int8 with a float32 scale per row and block of 128,
+requantised from the same float32 values (kept at load as `tiles_source` until then), its activations quantised
+per 128 too. Prefill is bound by the kernel's arithmetic, and a block's scaling takes the units its multiply-adds
+need: a quarter of it made prefill's projections 1.2x (a 2-core Zen 4 EPYC), for about a byte a weight more memory.
+A few of Gemma's activation columns are tens of times the others, and per 128 values one of them sets a block's
+scale alone, so the copy is smoothed (`smoothing`): its columns times s, the activations divided by s as they are
+quantised, s from the activations' range measured on a calibration text at start-up
+(`runtime/models/calibration.py`). The prefill path's KL divergence from float32 on the fixed text: 0.0031
+smoothed, 0.0063 not, 0.0046 on the GGUF's own blocks (docs/performance.md). `--prefill-weights gguf`
+(`set_prefill_weights`) keeps the GGUF's blocks for every row count.
 
 On the 2-core Xeon with AMX of this work (2 threads, quiet): a 4096 x 640 weight at one row took 255 against
 355-365 us prepacked bfloat16 in int8, 100 against 329 us in int4 (a 4-bit weight); int8 stays ahead up to 4
@@ -105,55 +108,86 @@ class Int8DecodeWeight:
         return self.q.numel() + self.scales.numel() * self.scales.element_size()
 
 
-# Values per block of the tiles' copy (`with_tiles`): the rows past the streaming kernel's eight (prefill, decode
+# Values per block of the tiles' copy (`make_tiles`): the rows past the streaming kernel's eight (prefill, decode
 # batches past eight) run on int8 weights and activations quantised per 128 values instead of the GGUF's 32: the
 # kernel scales its integer sums once per 128 values instead of four times, and those scalings took the issue
 # ports the `vpdpbusd`s need (prefill's projections 1.2x on a Zen 4 EPYC; docs/performance.md).
 WIDE_BLOCK = 128
+# SmoothQuant's migration strength: the share of an activation column's range moved into the weight's column.
+SMOOTH_ALPHA = 0.5
+# A column's maxima are taken as at least this fraction of their median over the columns, so that a column quiet
+# in calibration and loud later cannot get a divisor that blows its activations up past every other in its block.
+SMOOTH_FLOOR = 0.1
 
 
-def with_tiles(copy: Int4Weight | Int8DecodeWeight | None, weight: torch.Tensor):
-    """`copy`, its kernel projection given an int8 copy in blocks of 128 (`WIDE_BLOCK`) for the rows past eight,
-    where the copy takes every row count on our kernels and the width divides into such blocks."""
-    projection = getattr(copy, "projection", None)
-    if projection is not None and copy.max_rows >= EVERY_ROW and weight.shape[1] % WIDE_BLOCK == 0:
-        projection.set_tiles(kernels.load().Projection.int8_wide(*quantize_per_block(weight, WIDE_BLOCK)))
-    return copy
+def takes_tiles(copy: Int4Weight | Int8DecodeWeight | None, weight: torch.Tensor) -> bool:
+    """Whether `copy` (made from `weight`) takes every row count on our kernels, and `weight`'s width divides into
+    blocks of 128: then its rows past eight can run on a tiles' copy (`make_tiles`)."""
+    return (getattr(copy, "projection", None) is not None and copy.max_rows >= EVERY_ROW
+            and weight.shape[1] % WIDE_BLOCK == 0)
+
+
+def smoothing(column_max: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
+    """(K,) divisors of a projection's input columns (SmoothQuant): a^alpha / w^(1 - alpha), a the activations'
+    largest magnitude per column in calibration, w the weight's (each floored at `SMOOTH_FLOOR` of its median).
+    Gemma's activations have a few columns tens of times their neighbours', and per block of 128 one of them sets
+    the block's scale alone; divided by s, with the weight's columns times s, the product is the same and the
+    blocks' ranges even out (the prefill path's KL against float32 halved; docs/performance.md)."""
+    def floored(v: torch.Tensor) -> torch.Tensor:
+        v = v.float()
+        return v.clamp(min=max(float(v.median()) * SMOOTH_FLOOR, torch.finfo(torch.float32).tiny))
+
+    a, w = floored(column_max), floored(weight.abs().amax(0))
+    return (a ** alpha / w ** (1 - alpha)).contiguous()
+
+
+def make_tiles(module: "DecodeLinear", column_max: torch.Tensor | None) -> None:
+    """`module`'s copy gets its tiles' copy for the rows past eight, made from the float32 values it kept at load
+    (`tiles_source`, then released): int8 in blocks of 128 (`WIDE_BLOCK`), smoothed by `column_max` (the
+    activations' largest magnitude per input column in calibration, `smoothing`) or not (None)."""
+    weight, module.tiles_source = module.tiles_source, None
+    if weight is None:
+        raise ValueError(f"{module!r} kept no values to make a tiles' copy from (made already, or not eligible)")
+    s = None if column_max is None else smoothing(column_max, weight)
+    q, scales = quantize_per_block(weight if s is None else weight * s, WIDE_BLOCK)
+    module.decode.projection.set_tiles(kernels.load().Projection.int8_wide(q, scales, s))
+    module.decode = module.decode  # counted as a new copy: what holds the old one (a decode stack) remakes
 
 
 def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8DecodeWeight | None:
-    """The copy a weight (float, as loaded) gets in a model of `dtype`: int4 if exactly 4-bit, else int8 (with
-    a tiles' copy in blocks of 128 for the rows past eight, `with_tiles`); None in a float32 model, off the CPU
-    or without the kernels."""
+    """The copy a weight (float, as loaded) gets in a model of `dtype`: int4 if exactly 4-bit, else int8; None in a
+    float32 model, off the CPU or without the kernels."""
     if dtype != torch.bfloat16 or weight.device.type != "cpu":
         return None
     grid = int4_grid(weight) if Int4Weight.wanted(weight, dtype) else None
     if grid is not None:
-        return with_tiles(Int4Weight(*grid, dtype), weight)
+        return Int4Weight(*grid, dtype)
     blocks = int8_block_grid(weight) if kernels.has_vnni() and weight.shape[0] % 16 == 0 else None
     if blocks is not None:
-        return with_tiles(Int8DecodeWeight(*blocks, dtype), weight)
+        return Int8DecodeWeight(*blocks, dtype)
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
         return None
-    return with_tiles(Int8DecodeWeight(*quantize_per_channel(weight), dtype), weight)
+    return Int8DecodeWeight(*quantize_per_channel(weight), dtype)
 
 
 def set_prefill_weights(model: torch.nn.Module, tiles: bool) -> int:
-    """`tiles` (`--prefill-weights int8-128`): the rows past eight on the tiles' copies made at load (`with_tiles`);
-    else (`gguf`) those copies dropped from this model for good (their memory back), every row count on the GGUF's
-    own blocks. Returns how many projections run their rows past eight on a tiles' copy now."""
+    """`tiles` (`--prefill-weights int8-128`): the rows past eight on the tiles' copies made by calibration
+    (`runtime/models/calibration.py`); else (`gguf`) those copies and the values kept to make them dropped from
+    this model for good (their memory back), every row count on the GGUF's own blocks. Returns how many
+    projections run their rows past eight on a tiles' copy now."""
     count = 0
     for module in model.modules():
-        projection = getattr(getattr(module, "decode", None), "projection", None)
-        if not isinstance(module, DecodeLinear) or projection is None or not projection.has_tiles:
+        if not isinstance(module, DecodeLinear):
             continue
+        projection = getattr(module.decode, "projection", None)
         if tiles:
-            count += 1
-        else:
+            count += projection is not None and projection.has_tiles
+            continue
+        module.tiles_source = None
+        if projection is not None and projection.has_tiles:
             projection.drop_tiles()
-            module.decode = module.decode  # counted as a new copy: what holds the old one (a decode stack) remakes
+            module.decode = module.decode
     return count
-
 
 
 def _make_copy(module: "DecodeLinear", state_dict: dict, prefix: str, *args) -> None:
@@ -162,6 +196,7 @@ def _make_copy(module: "DecodeLinear", state_dict: dict, prefix: str, *args) -> 
     weight = state_dict.get(prefix + "weight")
     if weight is not None:
         module.decode = decode_copy(weight, module.weight.dtype)
+        module.tiles_source = weight.float() if takes_tiles(module.decode, weight) else None
 
 
 class DecodeLinear(Linear):
@@ -175,6 +210,9 @@ class DecodeLinear(Linear):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__(in_features, out_features)
         self.decode = None
+        # the float32 values the copy was made from, kept (until calibration or `set_prefill_weights`) where a
+        # tiles' copy can be made from them (`takes_tiles`, `make_tiles`)
+        self.tiles_source: torch.Tensor | None = None
         self.register_load_state_dict_pre_hook(_make_copy)
 
     @property

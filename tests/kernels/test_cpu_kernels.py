@@ -404,6 +404,41 @@ def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(vnni, row
     assert (weight.matmul(x).double() - exact).norm() / exact.norm() < 0.02  # the activations' blocks only
 
 
+@pytest.mark.parametrize("rows", [3, 38])  # streamed, in tiles
+def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smooth(vnni, rows):
+    """With `smooth` s (K,): each row times 1/s (the reciprocal, in float32), then the same blockwise arithmetic;
+    q * scale is taken to hold W * s, so the product approximates x @ W^T."""
+    torch.manual_seed(rows)
+    N, Kd = 48, 256
+    w = torch.randn(N, Kd) * 0.05
+    x = torch.randn(rows, Kd).bfloat16()
+    s = torch.rand(Kd) * 4 + 0.25
+    q = torch.round(w * s / (w * s).abs().amax(1, keepdim=True) * 127).to(torch.int8)
+    scales = ((w * s).abs().amax(1, keepdim=True) / 127).expand(N, Kd // 128).contiguous()
+    weight = vnni.Projection.int8_wide(q, scales, s)
+    assert weight.smoothed and weight.nbytes == N * Kd + 4 * N * Kd // 128 + 4 * Kd  # the reciprocals too
+    xq, xs = _quantised_blocks(x.float() * s.reciprocal(), 128)
+    dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 128).double())
+    expected = (dots * xs.double().view(rows, 1, -1) * scales.double()[None]).sum(-1)
+    torch.testing.assert_close(weight.matmul(x, float_out=True).double(), expected, rtol=1e-5, atol=1e-5)
+    exact = x.double() @ w.double().T
+    assert (weight.matmul(x, float_out=True).double() - exact).norm() / exact.norm() < 0.1  # a random s: no gain
+    plain = vnni.Projection.int8_wide(q, scales)  # the same weight unsmoothed: s's columns not divided out
+    assert not plain.smoothed and (plain.matmul(x, float_out=True).double() - exact).norm() / exact.norm() > 0.2
+    own = vnni.Projection.int8(q, torch.rand(N) / 100)
+    own.set_tiles(weight)
+    assert own.smoothed and own.nbytes == N * Kd + 4 * N  # its tiles' copy is; nbytes: its own
+
+
+def test_a_smooth_must_be_one_positive_finite_float32_a_column(vnni):
+    q, scales = _wide_weight(16, 256, 0)
+    for bad, match in ((torch.ones(255), r"float32 \(256,\)"), (torch.ones(256, dtype=torch.float64), "float32"),
+                       (torch.zeros(256), "finite and positive"), (torch.full((256,), float("inf")), "finite"),
+                       (-torch.ones(256), "positive")):
+        with pytest.raises(RuntimeError, match=match):
+            vnni.Projection.int8_wide(q, scales, bad)
+
+
 def test_a_tiles_copy_takes_the_rows_past_eight_only(vnni):
     """A projection with a tiles' copy: up to 8 rows on its own weight, more on the copy (and its blocks of 128),
     in `matmul` as in the fused layer calls; dropped, every row count on its own weight again."""

@@ -180,16 +180,55 @@ def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_o
          "int8": torch.randn(96, 256) * 0.05}[kind]
     layer = DecodeLinear(256, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
-    assert layer.decode.projection.has_tiles
-    tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w, 128))
+    assert torch.equal(layer.tiles_source, w) and not layer.decode.projection.has_tiles  # kept until made
     x = torch.randn(40, 256).bfloat16()
     with torch.no_grad():
-        assert torch.equal(layer(x), tiles.matmul(x))  # past eight rows: the copy in blocks of 128
-        assert not torch.equal(layer(x[:8]), tiles.matmul(x[:8]))  # up to eight: the GGUF's own blocks
+        gguf = layer(x)
+        decode_linear.make_tiles(layer, None)
+        assert layer.tiles_source is None and layer.decode.projection.has_tiles
+        tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w, 128))
+        assert torch.equal(layer(x), tiles.matmul(x)) and not torch.equal(layer(x), gguf)  # past eight rows
+        assert torch.equal(layer(x[:8]), gguf[:8])  # up to eight: the GGUF's own blocks
         torch.testing.assert_close(layer(x).float(), x.float() @ w.T, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="kept no values"):
+        decode_linear.make_tiles(layer, None)  # made already
     narrow = DecodeLinear(96, 32).to(torch.bfloat16)  # 96 values a row: no whole block of 128
     narrow.load_state_dict({"weight": torch.randn(32, 96) * 0.05})
-    assert narrow.decode.projection is not None and not narrow.decode.projection.has_tiles
+    assert narrow.decode.projection is not None and narrow.tiles_source is None
+
+
+@needs_kernel
+def test_a_smoothed_copy_divides_the_activation_columns_and_keeps_a_loud_column_from_flattening_its_block():
+    _vnni_without_amx()
+    torch.manual_seed(0)
+    w = torch.randn(96, 256) * 0.05
+    x = torch.randn(40, 256)
+    x[:, 7] *= 60  # one column far louder than its block's others, as Gemma's are
+    x = x.bfloat16()
+    exact = x.float() @ w.T
+    errors = {}
+    for smooth in (False, True):
+        layer = DecodeLinear(256, 96).to(torch.bfloat16)
+        layer.load_state_dict({"weight": w})
+        column_max = x.float().abs().amax(0)
+        decode_linear.make_tiles(layer, column_max if smooth else None)
+        assert layer.decode.projection.smoothed == smooth
+        with torch.no_grad():
+            errors[smooth] = float((layer(x).float() - exact).abs().mean())
+            if smooth:  # what the kernel computes: the weight's columns times s quantised, the rows divided by s
+                s = decode_linear.smoothing(column_max, w)
+                tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w * s, 128), s)
+                assert torch.equal(layer(x), tiles.matmul(x))
+    assert errors[True] < 0.6 * errors[False], errors
+
+
+def test_smoothing_moves_half_the_range_and_floors_quiet_columns():
+    a = torch.tensor([4.0, 1.0, 1.0, 1.0, 0.0])
+    w = torch.ones(3, 5) * torch.tensor([1.0, 1.0, 4.0, 1.0, 1.0])
+    s = decode_linear.smoothing(a, w, alpha=0.5)
+    # sqrt(a / w): a loud activation column gets a divisor above one, a loud weight column below; the silent
+    # column's maximum is taken as a tenth of the median column's (1.0), not as zero
+    torch.testing.assert_close(s, torch.tensor([2.0, 1.0, 0.5, 1.0, 0.1 ** 0.5]))
 
 
 @needs_kernel
@@ -198,6 +237,9 @@ def test_prefill_weights_gguf_drops_the_tiles_copies_and_remakes_what_holds_them
     model = torch.nn.Sequential(DecodeLinear(256, 96), DecodeLinear(256, 32)).to(torch.bfloat16)
     for layer in model:
         layer.load_state_dict({"weight": torch.randn(layer.out_features, 256) * 0.05})
+    assert decode_linear.set_prefill_weights(model, tiles=True) == 0  # none made yet
+    for layer in model:
+        decode_linear.make_tiles(layer, None)
     assert decode_linear.set_prefill_weights(model, tiles=True) == 2
     before = DecodeLinear.copies_set
     x = torch.randn(20, 256).bfloat16()
@@ -208,3 +250,13 @@ def test_prefill_weights_gguf_drops_the_tiles_copies_and_remakes_what_holds_them
         assert not any(layer.decode.projection.has_tiles for layer in model)
         assert not torch.equal(model[0](x), tiled)  # the GGUF's own blocks now
         assert torch.equal(model[0](x), model[0].decode.projection.matmul(x))
+
+
+@needs_kernel
+def test_gguf_releases_the_values_kept_for_tiles_without_making_them():
+    _vnni_without_amx()
+    layer = DecodeLinear(256, 96).to(torch.bfloat16)
+    layer.load_state_dict({"weight": torch.randn(96, 256) * 0.05})
+    assert layer.tiles_source is not None
+    assert decode_linear.set_prefill_weights(torch.nn.Sequential(layer), tiles=False) == 0
+    assert layer.tiles_source is None and not layer.decode.projection.has_tiles

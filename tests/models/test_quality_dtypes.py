@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from runtime.models.calibration import prepare_prefill_weights
 from runtime.models.loader import build_model
 from runtime.models.tokenizer import load_tokenizer
 
@@ -61,13 +62,16 @@ def reference(hf_gguf_model, text_ids):
 
 
 @pytest.fixture(scope="module")
-def ours(our_gguf_f32, text_ids):
+def ours(gemma3_gguf_path, our_gguf_f32, text_ids):
     """Our logits over the text, per (activation dtype, weight format, path), from the same float32 weights;
-    path "decode" only for the int8 formats."""
+    path "decode" only for the int8 formats. The prefill path as the engine runs it by default: `int8-head`'s rows
+    past eight on the smoothed int8 copies in blocks of 128 where the CPU takes them (`--prefill-weights`)."""
     config, state = our_gguf_f32
+    tokenizer = load_tokenizer(gemma3_gguf_path)
     logits = {}
     for dt, q in quality.VARIANTS:
         model = build_model(config, state, getattr(torch, dt), quantization=q)
+        prepare_prefill_weights(model, True, tokenizer)
         logits[(dt, q, "prefill")] = quality.model_logits(model, text_ids)
         if q != "none":
             logits[(dt, q, "decode")] = quality.model_logits(model, text_ids, decode_path=True)
