@@ -72,7 +72,7 @@ class Engine:
             _load_cpu_kernels(progress)
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
-        prepare_prefill_weights(model, cfg.prefill_weights == "int8-128", self.tokenizer)  # runtime/models/calibration.py
+        prepare_prefill_weights(model, cfg.prefill_weights == "int8-128", self.tokenizer)  # runtime/models/calibration
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,

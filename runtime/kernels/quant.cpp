@@ -171,11 +171,13 @@ Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales, 
   Projection p(pack_int8(w), group_scales(scales.contiguous(), at::kFloat), N, K, Format::kInt8Wide);
   if (smooth.has_value()) {
     const at::Tensor& s = *smooth;
-    TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == K, "smooth must be float32 (", K,
-                ",), got ", s.scalar_type(), " ", s.sizes());
-    TORCH_CHECK(at::isfinite(s).all().item<bool>() && s.gt(0).all().item<bool>(),
-                "smooth must be finite and positive, got ", s.min().item<float>(), "..", s.max().item<float>());
-    p.column_mul_ = s.reciprocal().contiguous();
+    TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == K,
+                "smooth must be float32 (", K, ",) on the CPU, got ", s.scalar_type(), " ", s.sizes(), " on ", s.device());
+    const at::Tensor mul = s.reciprocal().contiguous();
+    TORCH_CHECK(at::isfinite(s).all().item<bool>() && s.gt(0).all().item<bool>() && at::isfinite(mul).all().item<bool>(),
+                "smooth must be finite and positive with finite reciprocals, got ", s.min().item<float>(), "..",
+                s.max().item<float>());
+    p.column_mul_ = mul;
   }
   return p;
 }

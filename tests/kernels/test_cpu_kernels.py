@@ -432,9 +432,10 @@ def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smoot
 
 def test_a_smooth_must_be_one_positive_finite_float32_a_column(vnni):
     q, scales = _wide_weight(16, 256, 0)
-    for bad, match in ((torch.ones(255), r"float32 \(256,\)"), (torch.ones(256, dtype=torch.float64), "float32"),
+    for bad, match in ((torch.ones(255), r"float32 \(256,\) on the CPU"),
+                       (torch.ones(256, dtype=torch.float64), "float32"),
                        (torch.zeros(256), "finite and positive"), (torch.full((256,), float("inf")), "finite"),
-                       (-torch.ones(256), "positive")):
+                       (-torch.ones(256), "positive"), (torch.full((256,), 1e-40), "finite reciprocals")):
         with pytest.raises(RuntimeError, match=match):
             vnni.Projection.int8_wide(q, scales, bad)
 
