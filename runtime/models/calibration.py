@@ -5,9 +5,10 @@ fixed text, smooths the int8 copies in blocks of 128 that take a projection's ro
 A block of 128 activations is quantised with one scale, and in Gemma 3 a few columns run tens of times larger
 than the rest (up to 42x the median column's largest value in a `down_proj`). Dividing each column by a factor
 found here, and multiplying the weight's column by it, leaves the product as it was and spreads the range: the
-prefill path's KL divergence from float32 halved (docs/performance.md). The text mixes prose, a question, code,
-numbers, a note and a recipe, so that the columns see the kinds of input a server gets; it was written for this
-and is not the text `benchmarks/quality.py` scores.
+prefill path's KL divergence from float32 halved (docs/performance.md). The text mixes English prose, a question,
+Python, numbers, a note, a recipe, a sentence each in German, Russian, Japanese and Chinese, C and JSON, so that the
+columns see the kinds of input a server gets: calibrated on English alone, the other languages lost more than on
+the GGUF's blocks. It was written for this and is not the text `benchmarks/quality.py` scores.
 """
 
 from __future__ import annotations
@@ -32,12 +33,19 @@ CALIBRATION_TEXT = (
     "we will decide on the new suppliers then. Thanks, Jonas\n"
     "Ingredients: 200 g flour, 2 eggs, 300 ml milk, a pinch of salt. Whisk, rest for twenty minutes, then fry thin "
     "pancakes in a hot pan with a little butter."
+    "\nIm Herbst fahren wir mit dem Zug nach Hamburg; die Fahrt dauert knapp drei Stunden, und wir lesen unterwegs. "
+    "Вечером мы долго говорили о книгах, а потом пошли гулять к реке. "
+    "明日は雨が降るそうなので、傘を持って出かけてください。"
+    "我们周末去图书馆借了几本关于历史的书。"
+    "\nstatic int parse_line(const char *s, struct entry *out) {\n    if (!s || !*s) return -1;\n"
+    "    out->key = strtol(s, NULL, 10);\n    return sscanf(s, \"%d %31s\", &out->id, out->name) == 2 ? 0 : -2;\n}\n"
+    "{\"name\": \"cache\", \"size_mb\": 512, \"enabled\": true, \"tags\": [\"kv\", \"swa\"]}\n"
 )
 
 
-def calibration_ids(tokenizer, bos_token_id: int, limit: int = 512) -> list[int]:
+def calibration_ids(tokenizer, bos_token_id: int, limit: int = 1024) -> list[int]:
     """The calibration text's token ids after the beginning-of-sequence token, as a prompt starts; at most `limit`
-    (a model's positions; a byte tokenizer's ids run past a thousand)."""
+    (a model's positions; Gemma's tokenizer gives 506, a byte tokenizer's ids run past a thousand)."""
     return ([bos_token_id] + list(tokenizer.encode(CALIBRATION_TEXT)))[:limit]
 
 
@@ -99,5 +107,5 @@ def prepare_prefill_weights(model, tiles: bool, tokenizer) -> int:
     if tiles:
         config = model.config
         calibrate_prefill_weights(model, calibration_ids(tokenizer, config.bos_token_id,
-                                                         min(512, config.max_position_embeddings)))
+                                                         min(1024, config.max_position_embeddings)))
     return set_prefill_weights(model, tiles)
