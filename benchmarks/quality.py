@@ -69,14 +69,11 @@ def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tens
     (as a batch-1 decode step computes them: an int8 LM head quantises its input per call)."""
     from contextlib import nullcontext
 
-    from runtime.context import ForwardContext, forward_context
     from runtime.layers.quantized import kernel_path_only
-    from runtime.models.calibration import SequenceAttention
+    from runtime.models.calibration import sequence_forward
 
-    ids_t = torch.tensor(ids, device=model.device)
-    ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=SequenceAttention())
-    with torch.no_grad(), forward_context(ctx, bind_logging=False), (kernel_path_only() if decode_path else nullcontext()):
-        hidden = model(ids_t, torch.arange(len(ids), device=ids_t.device))
+    with torch.no_grad(), (kernel_path_only() if decode_path else nullcontext()):
+        hidden = sequence_forward(model, ids)
         if not decode_path:
             return model.compute_logits(hidden)
         return torch.cat([model.compute_logits(row) for row in hidden.split(1)])

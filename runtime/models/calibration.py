@@ -43,10 +43,13 @@ CALIBRATION_TEXT = (
 )
 
 
-def calibration_ids(tokenizer, bos_token_id: int, limit: int = 1024) -> list[int]:
-    """The calibration text's token ids after the beginning-of-sequence token, as a prompt starts; at most `limit`
-    (a model's positions; Gemma's tokenizer gives 506, a byte tokenizer's ids run past a thousand)."""
-    return ([bos_token_id] + list(tokenizer.encode(CALIBRATION_TEXT)))[:limit]
+CALIBRATION_MAX_TOKENS = 1024  # Gemma's tokenizer gives 506; a byte tokenizer's ids run past a thousand
+
+
+def calibration_ids(tokenizer, bos_token_id: int, positions: int) -> list[int]:
+    """The calibration text's token ids after the beginning-of-sequence token, as a prompt starts; at most
+    `CALIBRATION_MAX_TOKENS` and a model's `positions`."""
+    return ([bos_token_id] + list(tokenizer.encode(CALIBRATION_TEXT)))[:min(CALIBRATION_MAX_TOKENS, positions)]
 
 
 class SequenceAttention:
@@ -106,6 +109,6 @@ def prepare_prefill_weights(model, tiles: bool, tokenizer) -> int:
     how many projections run their rows past eight on a tiles' copy."""
     if tiles:
         config = model.config
-        calibrate_prefill_weights(model, calibration_ids(tokenizer, config.bos_token_id,
-                                                         min(1024, config.max_position_embeddings)))
+        ids = calibration_ids(tokenizer, config.bos_token_id, config.max_position_embeddings)
+        calibrate_prefill_weights(model, ids)
     return set_prefill_weights(model, tiles)

@@ -44,7 +44,8 @@ def projections(m) -> dict[str, DecodeLinear]:
 
 def test_each_eligible_projection_gets_the_copy_its_measured_inputs_give():
     m = model()
-    ids = calibration.calibration_ids(ByteTokenizer(), CONFIG.bos_token_id)
+    ids = calibration.calibration_ids(ByteTokenizer(), CONFIG.bos_token_id, CONFIG.max_position_embeddings)
+    assert len(ids) == CONFIG.max_position_embeddings  # the byte ids run past the model's positions: cut there
     sources = {name: mod.tiles_source for name, mod in projections(m).items()}
     assert {n.rsplit(".", 1)[1] for n, s in sources.items() if s is not None} == set(ELIGIBLE)
     # the inputs each projection sees, measured here independently of the module under test
