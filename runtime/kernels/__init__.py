@@ -20,6 +20,8 @@ The sources, one job each:
   `layer_pre`, the KV write, decode attention, `layer_post`, the final norm), at slots and keys the runtime
   translated and checked before;
 - `ledger.cpp`: the KV sanitizer's write check in one call, for its common outcome (everything in order);
+- `weight_arena.cpp`: a buffer in 2 MB pages and `Projection.place`, which moves a copy there
+  (`runtime/layers/weight_arena.py`);
 - `module.cpp`: the Python bindings.
 
 The kernels serve bfloat16 models only (`for_tensor`): float32 keeps the torch path, bit for bit the

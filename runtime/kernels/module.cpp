@@ -23,6 +23,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("writes_owned", &swa::writes_owned, "whether a forward's KV writes are in order against the ownership ledger");
   m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
+  m.def("weight_arena", &swa::weight_arena, pybind11::arg("nbytes"), pybind11::arg("huge_pages") = true,
+        "a uint8 buffer aligned to 2 MB, in 2 MB pages where huge_pages (a hint to the kernel)");
   // module_local: two builds of these kernels in one process (a benchmark holding an older one) must not clash over
   // the type's name.
   pybind11::class_<Projection>(m, "Projection", pybind11::module_local(), "a weight in a low-bit decode kernel's packed layout")
@@ -49,6 +51,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("out_features", &Projection::out_features)
       .def_property_readonly("in_features", &Projection::in_features)
       .def_property_readonly("nbytes", &Projection::nbytes)
+      .def_property_readonly("placed_bytes", &Projection::placed_bytes, "bytes `place` takes in an arena")
+      .def("place", &Projection::place, pybind11::arg("arena"), pybind11::arg("offset"), pybind11::arg("huge_pages"),
+           "moves the streamed weights and scales into arena[offset:] (64-byte aligned); returns the offset past them; "
+           "huge_pages: the arena is in 2 MB pages")
+      .def_property_readonly("huge_pages", &Projection::huge_pages, "placed in an arena of 2 MB pages")
       .def_property_readonly("format", [](const Projection& p) {
         switch (p.format()) {
           case swa::Format::kInt8: return "int8";

@@ -14,6 +14,9 @@ namespace swa {
 constexpr int64_t kBlock = 32;   // activation values per quantisation block; int4 weights per (scale, offset)
 constexpr int64_t kWideBlock = 128;  // the same for the wide format (kInt8Wide): prefill's tiles
 constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
+// Packed bytes from which a weight in 2 MB pages streams as one long read-ahead stream a thread on Zen 4 (an LM head:
+// 84-170 MB; a layer's projections, at most 2.8 MB, keep four streams; quant_kernels.cpp, `vnni_vendor`).
+constexpr int64_t kLongStream = int64_t{16} << 20;
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 constexpr bool kHasVnni = true;
@@ -91,6 +94,14 @@ class Projection {
     return packed_.numel() + scales_.numel() * scales_.element_size() + column_mul_.numel() * sizeof(float);
   }
   Format format() const { return format_; }
+  // Bytes `place` takes: the streamed weights and their scales, each from a 64-byte boundary (weight_arena.cpp).
+  int64_t placed_bytes() const;
+  // Moves the streamed weights and scales (not the tiles' copy) into `arena` (uint8, from `weight_arena`) at
+  // `offset` (a multiple of 64) and on; returns the offset past them. `huge_pages`: the arena is in 2 MB pages (the
+  // streaming kernel then reads a long weight as one stream a thread). Copies of this Projection made before (a
+  // decode stack's) keep the old buffers.
+  int64_t place(at::Tensor& arena, int64_t offset, bool huge_pages);
+  bool huge_pages() const { return huge_pages_; }
   // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)
   bool smoothed() const { return column_mul_.defined() || (tiles_ != nullptr && tiles_->smoothed()); }
 
@@ -102,7 +113,12 @@ class Projection {
   at::Tensor column_mul_;  // (K,) float32, the activations' multipliers of a smoothed copy; undefined otherwise
   int64_t N_, K_;
   Format format_;
+  bool huge_pages_ = false;  // placed in an arena of 2 MB pages (`place`)
   std::shared_ptr<const Projection> tiles_;
 };
+
+// A buffer of `nbytes` (rounded up to 2 MB) aligned to 2 MB, asked of the kernel in 2 MB pages where `huge_pages`
+// (madvise; a hint): decode's weights placed there in read order (runtime/layers/weight_arena.py).
+at::Tensor weight_arena(int64_t nbytes, bool huge_pages);
 
 }  // namespace swa

@@ -172,6 +172,11 @@ void vnni_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
 //   inside one process, 12 rounds at 57-66 GB/s: median 1.67x the floor against 2.24x. Reading ahead with four
 //   streams (16, 32 or 96 lines) or two streams without it: 2-15% slower heads. At two to eight rows the AMD
 //   setting above stays ahead (the head at 0.81 against 0.64 of the probe at two rows, 0.51 against 0.41 at eight).
+//   A weight in 2 MB pages (`Projection::place`) and long (`kLongStream`: an LM head) reads as Zen 5 does instead: one
+//   stream reading ahead. Weights in one arena of 2 MB pages, batch-1 steps alternated inside one process, rounds
+//   grouped by the probe: the screened head 58.6 against 43.9 GB/s when the memory gives ~60 (35.3 against 32.9 at
+//   ~35), the step 6.32 against 6.84 ms; the layers' projections (at most 2.8 MB) 37.6 against 41.8 GB/s, so they
+//   keep four streams.
 inline int amd_family() {  // 0 when not AMD
   static const int family = [] {
     if (!__builtin_cpu_is("amd")) return 0;
@@ -185,25 +190,26 @@ inline int amd_family() {  // 0 when not AMD
 
 template <Format F, typename T, int M, int S>
 void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
-                 int64_t g1, const int64_t* list) {
+                 int64_t g1, const int64_t* list, bool long_stream) {
   const int family = amd_family();
-  if (family == 0 || (M == 1 && family < 0x1a)) vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1, list);
+  if (family == 0 || (M == 1 && family < 0x1a && !long_stream))
+    vnni_rows<F, T, M, S, false>(w, sc, x, y, N, g0, g1, list);
   else vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1, list);
 }
 
 // The row count as a template argument, with the streams the registers allow for it.
 template <Format F, typename T>
 void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
-                   int64_t g0, int64_t g1, const int64_t* list = nullptr) {
+                   int64_t g0, int64_t g1, const int64_t* list = nullptr, bool long_stream = false) {
   switch (M) {
-    case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1, list); break;
-    case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1, list); break;
-    case 3: vnni_vendor<F, T, 3, 2>(w, sc, x, y, N, g0, g1, list); break;
-    case 4: vnni_vendor<F, T, 4, 2>(w, sc, x, y, N, g0, g1, list); break;
-    case 5: vnni_vendor<F, T, 5, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 6: vnni_vendor<F, T, 6, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 7: vnni_vendor<F, T, 7, 1>(w, sc, x, y, N, g0, g1, list); break;
-    default: vnni_vendor<F, T, 8, 1>(w, sc, x, y, N, g0, g1, list); break;
+    case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 3: vnni_vendor<F, T, 3, 2>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 4: vnni_vendor<F, T, 4, 2>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 5: vnni_vendor<F, T, 5, 1>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 6: vnni_vendor<F, T, 6, 1>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    case 7: vnni_vendor<F, T, 7, 1>(w, sc, x, y, N, g0, g1, list, long_stream); break;
+    default: vnni_vendor<F, T, 8, 1>(w, sc, x, y, N, g0, g1, list, long_stream); break;
   }
 }
 
@@ -353,13 +359,17 @@ void Projection::run(const QuantizedRows& x, T* y) const {
               K_, ") with M in 1..8, in blocks of ", block_values(format_));
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());  // float16 for kInt8Block, kInt4Half
+  const bool long_stream = huge_pages_ && packed_.numel() >= kLongStream;
   at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
+    auto rows = [&](auto format) {
+      vnni_dispatch<decltype(format)::value>(x.M, w, sc, x, y, N_, g0, g1, nullptr, long_stream);
+    };
     switch (format_) {
-      case Format::kInt8: vnni_dispatch<Format::kInt8>(x.M, w, sc, x, y, N_, g0, g1); break;
-      case Format::kInt8Block: vnni_dispatch<Format::kInt8Block>(x.M, w, sc, x, y, N_, g0, g1); break;
-      case Format::kInt4: vnni_dispatch<Format::kInt4>(x.M, w, sc, x, y, N_, g0, g1); break;
-      case Format::kInt4Half: vnni_dispatch<Format::kInt4Half>(x.M, w, sc, x, y, N_, g0, g1); break;
-      case Format::kInt8Wide: vnni_dispatch<Format::kInt8Wide>(x.M, w, sc, x, y, N_, g0, g1); break;
+      case Format::kInt8: rows(std::integral_constant<Format, Format::kInt8>{}); break;
+      case Format::kInt8Block: rows(std::integral_constant<Format, Format::kInt8Block>{}); break;
+      case Format::kInt4: rows(std::integral_constant<Format, Format::kInt4>{}); break;
+      case Format::kInt4Half: rows(std::integral_constant<Format, Format::kInt4Half>{}); break;
+      case Format::kInt8Wide: rows(std::integral_constant<Format, Format::kInt8Wide>{}); break;
     }
   });
 }

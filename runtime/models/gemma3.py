@@ -231,6 +231,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.config = config
         self.quantization = quantization
         self.layers_compiled = False
+        self.decode_arena = None  # where `build_model` placed the decode copies (runtime/layers/weight_arena.py)
         self.model = Gemma3Model(config, quantization)
         head = WEIGHT_FORMATS[quantization].head
         self.lm_head = None if config.tie_word_embeddings else head(config.hidden_size, config.vocab_size)

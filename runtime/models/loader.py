@@ -22,6 +22,7 @@ from runtime.models.config import (
     RopeScaling,
     pattern_layer_types,
 )
+from runtime.layers.weight_arena import place_decode_weights
 from runtime.models.gemma3 import Gemma3ForCausalLM
 
 StateDict = dict[str, torch.Tensor]
@@ -297,6 +298,7 @@ def build_model(
     with torch.device(device), _default_dtype(dtype):
         model = Gemma3ForCausalLM(config, quantization)
     model.load_state_dict(state_dict, strict=True)
+    model.decode_arena = place_decode_weights(model)  # runtime/layers/weight_arena.py
     return model.eval().requires_grad_(False)
 
 
