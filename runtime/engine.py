@@ -73,6 +73,10 @@ class Engine:
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         prepare_prefill_weights(model, cfg.prefill_weights == "int8-128", self.tokenizer)  # runtime/models/calibration
+        arena = getattr(model, "decode_arena", None)  # runtime/layers/weight_arena.py
+        if progress and arena is not None:
+            announce(f"decode weights: {arena.nbytes / 1e6:.0f} MB in one buffer in read order, "
+                     f"{arena.huge_bytes / 1e6:.0f} MB of it in 2 MB pages")
         self.model_config = model.config
         self.resolved = rc = cfg.resolve(model.config)
         self.stats = EngineStats(cfg.loc_cache, model=model_label(cfg.model), backend=cfg.attention_backend,
