@@ -53,6 +53,7 @@ from runtime.layers.head_screen import SCREEN_MAX_ROWS, HeadScreen
 from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
+from runtime.layers.weight_arena import place_decode_weights
 
 KERNEL_DTYPE = torch.bfloat16  # activations and scales as the int8 kernel takes them
 DEQUANT_MIN_ROWS = 128
@@ -299,11 +300,14 @@ def _rows_text(copy: DynamicInt8Weight | None) -> str:
 
 def set_head_screen(model: nn.Module, on: bool) -> bool:
     """Screen the int8 LM head's decode rows (`runtime/layers/head_screen.py`) or not; off drops the screen's copy
-    from this model for good (its memory back). Returns whether the head is screened now."""
+    from this model for good (its memory back: the other decode copies are placed in a new buffer without it,
+    `runtime/layers/weight_arena.py`). Returns whether the head is screened now."""
     head = model.model.embed_tokens if model.lm_head is None else model.lm_head
     copy = getattr(head, "int8", None)
     if copy is None or getattr(copy, "screen", None) is None:
         return False
     if not on:
         copy.screen = None
+        if getattr(model, "decode_arena", None) is not None:
+            model.decode_arena = place_decode_weights(model)
     return copy.screen is not None

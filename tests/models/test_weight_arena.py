@@ -6,6 +6,7 @@ import torch
 
 from runtime import kernels
 from runtime.layers.decode_linear import DecodeLinear
+from runtime.layers.quantized import set_head_screen
 from runtime.layers.weight_arena import (HUGE_PAGE, decode_projections, huge_page_bytes, huge_pages_enabled,
                                          place_decode_weights)
 from runtime.models.config import Gemma3Config
@@ -149,3 +150,20 @@ def test_the_bandwidth_probe_reads_from_pages_asked_as_the_weights_are():
     buf = read_buffer(8 << 20)
     assert buf.dtype == torch.float32 and buf.numel() == 2 << 20 and bool((buf == 1).all())
     assert buf.data_ptr() % HUGE_PAGE == 0  # from `weight_arena`, not torch's allocator
+
+
+@needs_vnni
+def test_switching_the_screen_off_gives_its_bytes_back_and_keeps_the_int8_head():
+    config = Gemma3Config.tiny(vocab_size=272)
+    model = build_model(config, random_state_dict(config, seed=0), torch.bfloat16, quantization="int8-head")
+    head = model.model.embed_tokens.int8
+    screen_bytes = head.screen.coarse.placed_bytes
+    before = model.decode_arena
+    x = torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        exact = head.vnni_weight.matmul(x, float_out=True)
+        assert not set_head_screen(model, False)
+        assert torch.equal(model.compute_logits(x), exact)  # the int8 head alone, read from the new buffer
+    after = model.decode_arena
+    assert after.buffer.data_ptr() != before.buffer.data_ptr()
+    assert after.nbytes == before.nbytes - screen_bytes and after.projections == before.projections - 1
