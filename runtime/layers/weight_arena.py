@@ -5,12 +5,14 @@ until now wherever torch's allocator put it, in 4 kB pages: a TLB miss and a pag
 the layers' copies too small (0.3-2.8 MB) for the kernel to back with larger pages on its own. `place_decode_weights`
 moves them into one buffer aligned to 2 MB and asked of the kernel in 2 MB pages (`madvise`, a hint: where
 transparent huge pages are off, 4 kB pages serve and nothing else changes), layer by layer in read order, the LM
-head's copies last. On a 2-core Zen 4 EPYC, batch-1 steps alternated inside one process between the same weights
-placed in 2 MB and in 4 kB pages: 6.51 against 7.30 ms (median of six rounds each). The probe of the read bandwidth
-reads from such pages too (`runtime/memory_bound.py`), so that the floor a step is held against is the machine's,
-not the page size's: a 1 GB sum ran 1.20x faster from them.
+head's copies last; from 2 MB pages the head streams as one read-ahead stream a thread on Zen 4 (`kLongStream`,
+runtime/kernels/quant_kernels.cpp). On a 2-core Zen 4 EPYC, batch-1 steps alternated inside one process between the
+same weights placed in 2 MB and in 4 kB pages: 5.62 against 6.45 ms when the memory gave ~60 GB/s, 7.15 against 7.53
+at ~35 (docs/performance.md). The probe of the read bandwidth reads from such pages too (`runtime/memory_bound.py`),
+so that the floor a step is held against is the machine's, not the page size's: a 1 GB sum ran 1.20x faster from
+them.
 
-The copies' values are moved, not changed: every product is the same to the bit (tests/layers/test_weight_arena.py).
+The copies' values are moved, not changed: every product is the same to the bit (tests/models/test_weight_arena.py).
 A decode stack made before holds the old buffers; the copies are counted as set again, so it is remade.
 """
 
@@ -26,6 +28,7 @@ from runtime import kernels
 from runtime.layers.decode_linear import DecodeLinear
 
 HUGE_PAGE = 2 << 20
+HUGE_PAGE_SHARE = 0.9  # of the buffer in 2 MB pages, from which its copies count as placed in them
 
 
 @dataclass(frozen=True)
@@ -63,20 +66,15 @@ def place_decode_weights(model: nn.Module, huge_pages: bool = True) -> WeightAre
         return None
     total = sum(p.placed_bytes for p in projections)
     buffer = kernels.load().weight_arena(total, huge_pages)
-    huge = huge_pages and huge_pages_enabled()
+    buffer.zero_()  # every page faulted in now, so that what backs them can be read (a few ms for 382 MB)
+    huge_bytes = huge_page_bytes(buffer) if huge_pages else 0
+    # the kernels' long-stream choice follows the pages actually given (the kernel may lack free 2 MB pages)
+    huge = huge_bytes >= HUGE_PAGE_SHARE * buffer.numel()
     offset = 0
     for p in projections:
         offset = p.place(buffer, offset, huge)
     DecodeLinear.copies_set += 1  # what holds the copies (a decode stack) sees the count move and is remade
-    return WeightArena(buffer, offset, huge_page_bytes(buffer), len(projections))
-
-
-def huge_pages_enabled(root: Path = Path("/sys/kernel/mm/transparent_hugepage")) -> bool:
-    """Whether the kernel gives 2 MB pages to a buffer that asks (`always` or `madvise`)."""
-    try:
-        return "[never]" not in (root / "enabled").read_text()
-    except OSError:
-        return False
+    return WeightArena(buffer, offset, huge_bytes, len(projections))
 
 
 def huge_page_bytes(buffer: torch.Tensor, smaps: Path = Path("/proc/self/smaps")) -> int:
