@@ -1,5 +1,5 @@
 """Decode copies placed in one arena of 2 MB pages: the same products to the bit, read from the arena itself, laid
-out in read order at 64-byte lines; a bad arena or offset refused; the smaps and sysfs facts read right."""
+out in read order at 64-byte lines; a bad arena or offset refused; what smaps says read right."""
 
 import pytest
 import torch
