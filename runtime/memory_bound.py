@@ -42,8 +42,8 @@ def _head_bytes(module: nn.Module, rows: int) -> int:
         screen = getattr(copy, "screen", None)
         if screen is not None and rows <= SCREEN_MAX_ROWS:  # its 4-bit copy (the few groups refined in 8 bits aside)
             return screen.nbytes()
-        if copy.vnni_weight is not None:  # our kernel's layout: its own count (per-block scales, if any)
-            return copy.vnni_weight.nbytes()
+        if copy.kernel_weight is not None:  # our kernel's layout: its own count (per-block scales, if any)
+            return copy.kernel_weight.nbytes()
         w = module.weight
         return w.numel() + w.shape[0] * 4  # int8 per-channel weights and their float32 scales
     return module.weight.numel() * module.weight.element_size()

@@ -28,14 +28,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and LM head) or int8-head (the --dtype for activations, norms and the KV cache; the LM head "
                         "and every projection through low-bit copies of the GGUF's own blocks: int4 where exactly "
                         "4-bit, int8 per block where Q8_0/Q5_0, else per-channel int8; for every row count where "
-                        "the CPU has AVX512-VNNI, for decode's few rows elsewhere)")
+                        "the CPU has AVX512-VNNI or AVX2 and no AMX, for decode's few rows with "
+                        "AMX)")
     g.add_argument("--lm-head-screen", choices=("on", "off"), default="on" if d.lm_head_screen else "off",
-                   help="with int8-head on AVX512-VNNI: a batch-1 decode step reads a 4-bit copy of the LM head and "
-                        "every logit within 8 of the top is recomputed by the int8 head (the same greedy token and top "
+                   help="with int8-head on AVX512-VNNI or AVX2: a batch-1 decode step reads a 4-bit copy of the LM "
+                        "head and every logit within 8 of the top is recomputed by the int8 head (the same greedy token and top "
                         "logits; 52 MB less a step for Gemma 3 270M); off: the int8 head alone")
     g.add_argument("--prefill-weights", choices=PREFILL_WEIGHTS, default=d.prefill_weights,
-                   help="with int8-head on AVX512-VNNI without AMX, the rows past eight (prefill, decode batches past "
-                        "eight): int8-128 (default), int8 weights and activations in blocks of 128, requantised from "
+                   help="with int8-head on AVX512-VNNI or AVX2 without AMX, the rows past eight (prefill, decode "
+                        "batches past eight): int8-128 (default), int8 weights and activations in blocks of 128, requantised from "
                         "the GGUF's at load (prefill's projections 1.2x; perplexity as gguf's on 4k tokens of prose, "
                         "+0.95%% against float32 on the fixed text of benchmarks/quality.py); gguf: the GGUF's own "
                         "blocks for every row count (their memory back)")

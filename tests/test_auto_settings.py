@@ -34,8 +34,9 @@ def test_flags_come_from_the_first_cpu_on_x86_and_arm():
 @pytest.mark.parametrize("flags, dtype, quantization", [
     ({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}, "bfloat16", "int8-head"),  # Xeon with AMX
     ({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"}, "bfloat16", "int8-head"),  # EPYC with AVX512-BF16
-    ({"avx2", "avx512f", "avx512_vnni"}, "bfloat16", "int8"),  # AVX-512 without bfloat16 units
-    ({"avx2", "fma"}, "bfloat16", "int8"),  # AVX2 only
+    ({"avx2", "fma", "f16c", "avx512f", "avx512_vnni"}, "bfloat16", "int8-head"),  # AVX-512 without bfloat16 units
+    ({"avx2", "fma", "f16c"}, "bfloat16", "int8-head"),  # AVX2 only: the kernels' AVX2 build
+    ({"avx2", "fma"}, "bfloat16", "int8"),  # AVX2 without F16C: no low-bit kernels
     ({"sse2"}, "float32", "none"),
     ({"fp", "asimd"}, "float32", "none"),  # not x86: nothing measured
 ])

@@ -13,7 +13,8 @@ The sources, one job each:
 - `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
 - `argmax.cpp`: greedy sampling's maximum and first index per row of logits, sixteen lanes and two threads;
 - `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per
-  block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles;
+  block of 32, exactly-4-bit), decode's few rows at the memory's pace, prefill's many in tiles; `quant_avx2.h`:
+  the same on AVX2 where the CPU has no AVX512-VNNI;
 - `decode_layer.cpp`: a decoder layer's math on each side of its attention call in one call each
   (`layer_pre`, `layer_post`; `runtime/models/fused_decode.py`);
 - `decode_stack.cpp`: a decode step's model but its LM head in one call (`DecodeStack`: the token rows, per layer
@@ -123,8 +124,14 @@ def for_tensor(x: torch.Tensor):
     return load()
 
 
-def has_vnni() -> bool:
-    """Whether the kernels are built and hold the low-bit projections (AVX512-VNNI): the decode copies and the
-    int8 head then live in their layouts."""
+def has_low_bit() -> bool:
+    """Whether the kernels are built and hold the low-bit projections (on AVX512-VNNI or AVX2): the decode copies
+    and the int8 head then live in their layouts."""
     module = load()
-    return module is not None and module.has_vnni()
+    return module is not None and module.has_low_bit()
+
+
+def low_bit_isa() -> str:
+    """The instructions the low-bit projections run on: "avx512_vnni", "avx2", or "" (none built)."""
+    module = load()
+    return module.low_bit_isa() if module is not None else ""

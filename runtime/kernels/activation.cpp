@@ -1,6 +1,6 @@
 // The gated GELU of Gemma's MLP in one pass: torch's `gelu(gate, approximate="tanh") * up` reads and writes the
 // (T, I) intermediate twice and computes its tanh one value at a time (2.3 ms a call for 2048 rows of 2048 on a
-// 2-core EPYC); here sixteen values at a time, rounded where torch rounds.
+// 2-core EPYC); here sixteen values at a time (eight on AVX2), rounded where torch rounds.
 
 #include "activation.h"
 
@@ -29,6 +29,19 @@ inline __m512 as_stored16(bf16*, __m512 v) {
   store16(tmp, v);
   return load16(tmp);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+inline __m256 gelu8(__m256 x) {
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(kBeta),
+                                     _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(kKappa), x), _mm256_mul_ps(x, x), x));
+  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(0.5f), x), _mm256_add_ps(_mm256_set1_ps(1.f), tanh8(inner)));
+}
+
+inline __m256 as_stored8(float*, __m256 v) { return v; }
+inline __m256 as_stored8(bf16*, __m256 v) {
+  alignas(32) bf16 tmp[8];
+  store8(tmp, v);
+  return load8(tmp);
+}
 #endif
 
 }  // namespace
@@ -45,6 +58,11 @@ void gelu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       for (; i + 16 <= I; i += 16) {
         const __m512 a = as_stored16(static_cast<T*>(nullptr), gelu16(load16(g + i)));
         store16(o + i, _mm512_mul_ps(a, load16(u + i)));
+      }
+#elif defined(__AVX2__) && defined(__FMA__)
+      for (; i + 8 <= I; i += 8) {
+        const __m256 a = as_stored8(static_cast<T*>(nullptr), gelu8(load8(g + i)));
+        store8(o + i, _mm256_mul_ps(a, load8(u + i)));
       }
 #endif
       for (; i < I; ++i) store(o, i, as_stored<T>(gelu(load(g, i))) * load(u, i));

@@ -21,7 +21,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("row_argmax", &swa::row_argmax, "each row's largest value and the first index of it (NaN if any)");
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");
   m.def("writes_owned", &swa::writes_owned, "whether a forward's KV writes are in order against the ownership ledger");
-  m.def("has_vnni", [] { return swa::kHasVnni; }, "whether the low-bit decode kernels were built (AVX512-VNNI)");
+  m.def("has_low_bit", [] { return swa::kHasLowBit; }, "whether the low-bit kernels were built (AVX512-VNNI or AVX2)");
+  m.def("low_bit_isa", [] { return std::string(swa::kLowBitIsa); },
+        "the instructions the low-bit kernels run on: avx512_vnni, avx2, or empty (none built)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
   m.def("weight_arena", &swa::weight_arena, pybind11::arg("nbytes"), pybind11::arg("huge_pages") = true,
         "a uint8 buffer aligned to 2 MB, in 2 MB pages where huge_pages (a hint to the kernel)");

@@ -1,5 +1,5 @@
-// Low-bit projections on AVX512-VNNI: int8 per-channel weights, int8 with a scale per block of 32 or 128, exactly-4-bit
-// weights with a float32 scale and offset per group of 32. See quant.cpp for the layouts and why.
+// Low-bit projections on AVX512-VNNI or AVX2: int8 per-channel weights, int8 with a scale per block of 32 or 128,
+// exactly-4-bit weights with a float32 scale and offset per group of 32. See quant.cpp for the layouts and why.
 
 #pragma once
 
@@ -18,11 +18,18 @@ constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a 
 // 84-170 MB; a layer's projections, at most 2.8 MB, keep four streams; quant_kernels.cpp, `vnni_vendor`).
 constexpr int64_t kLongStream = int64_t{16} << 20;
 
+// The instructions the low-bit kernels run on (quant_kernels.cpp): AVX512-VNNI's `vpdpbusd`, else AVX2's
+// `vpmaddubsw` (quant_avx2.h), else none (the Python side then keeps torch's kernels).
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
-constexpr bool kHasVnni = true;
+#define SWA_LOW_BIT_AVX512 1
+constexpr const char* kLowBitIsa = "avx512_vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SWA_LOW_BIT_AVX2 1
+constexpr const char* kLowBitIsa = "avx2";
 #else
-constexpr bool kHasVnni = false;
+constexpr const char* kLowBitIsa = "";
 #endif
+constexpr bool kHasLowBit = kLowBitIsa[0] != '\0';
 
 // Activations (M, K) quantised per block of 32 (or 128) values: symmetric int8 with one float scale a block (as
 // llama.cpp's Q8 blocks), the int32 sum of each block's quantised values (the int8 format's +128 comes back

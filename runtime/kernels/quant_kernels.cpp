@@ -14,11 +14,12 @@
 #include <algorithm>
 #include <limits>
 
+#include "quant_avx2.h"  // the AVX2 kernels, where the CPU has no AVX512-VNNI
 #include "vecmath.h"
 
 namespace swa {
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#if defined(SWA_LOW_BIT_AVX512)
 
 inline __m512i broadcast_quad(const int8_t* p) {
   int32_t quad;
@@ -199,7 +200,7 @@ void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y
 
 // The row count as a template argument, with the streams the registers allow for it.
 template <Format F, typename T>
-void vnni_dispatch(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
+void stream_rows(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
                    int64_t g0, int64_t g1, const int64_t* list = nullptr, bool long_stream = false) {
   switch (M) {
     case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1, list, long_stream); break;
@@ -326,6 +327,22 @@ void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0
   }
 }
 
+// The largest of groups g0..g1's values (16 a group) of a row of outputs.
+inline float group_max(const float* y, int64_t g0, int64_t g1) {
+  __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t g = g0; g < g1; ++g) best = _mm512_max_ps(best, _mm512_loadu_ps(y + g * 16));
+  return _mm512_reduce_max_ps(best);
+}
+
+// Whether any of the 16 values at y reaches `floor`.
+inline bool group_reaches(const float* y, float floor) {
+  return _mm512_cmp_ps_mask(_mm512_loadu_ps(y), _mm512_set1_ps(floor), _CMP_GE_OQ) != 0;
+}
+
+#endif  // SWA_LOW_BIT_AVX512 (the AVX2 kernels: quant_avx2.h)
+
+#if defined(SWA_LOW_BIT_AVX512) || defined(SWA_LOW_BIT_AVX2)
+
 template <typename T>
 void Projection::run_tiled(const QuantizedRows& x, T* y) const {
   TORCH_CHECK(x.K == K_ && x.M >= 1 && x.block == block_values(format_), "activations must be (M, ", K_,
@@ -362,7 +379,7 @@ void Projection::run(const QuantizedRows& x, T* y) const {
   const bool long_stream = huge_pages_ && packed_.numel() >= kLongStream;
   at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
     auto rows = [&](auto format) {
-      vnni_dispatch<decltype(format)::value>(x.M, w, sc, x, y, N_, g0, g1, nullptr, long_stream);
+      stream_rows<decltype(format)::value>(x.M, w, sc, x, y, N_, g0, g1, nullptr, long_stream);
     };
     switch (format_) {
       case Format::kInt8: rows(std::integral_constant<Format, Format::kInt8>{}); break;
@@ -387,25 +404,21 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
   at::parallel_for(0, kPieces, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t g0 = groups * p / kPieces, g1 = groups * (p + 1) / kPieces;
-      for (int64_t m = 0; m < M; ++m) {
-        __m512 best = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t g = g0; g < g1; ++g) best = _mm512_max_ps(best, _mm512_loadu_ps(y + m * N + g * 16));
-        top[p * M + m] = _mm512_reduce_max_ps(best);
-      }
+      for (int64_t m = 0; m < M; ++m) top[p * M + m] = group_max(y + m * N, g0, g1);
     }
   });
-  std::vector<__m512> floor(M);
+  std::vector<float> floor(M);
   for (int64_t m = 0; m < M; ++m) {
     float best = -std::numeric_limits<float>::infinity();
     for (int64_t p = 0; p < kPieces; ++p) best = std::max(best, top[p * M + m]);
-    floor[m] = _mm512_set1_ps(best - margin);
+    floor[m] = best - margin;
   }
   std::vector<uint8_t> near(groups);
   at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      __mmask16 any = 0;
-      for (int64_t m = 0; m < M; ++m) any |= _mm512_cmp_ps_mask(_mm512_loadu_ps(y + m * N + g * 16), floor[m], _CMP_GE_OQ);
-      near[g] = any != 0;
+      bool any = false;
+      for (int64_t m = 0; m < M; ++m) any |= group_reaches(y + m * N + g * 16, floor[m]);
+      near[g] = any;
     }
   });
   std::vector<int64_t> chosen;
@@ -418,9 +431,9 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());
   at::parallel_for(0, static_cast<int64_t>(chosen.size()), 8, [&](int64_t i0, int64_t i1) {
-    if (format_ == Format::kInt8Block) vnni_dispatch<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data());
-    else if (format_ == Format::kInt8Wide) vnni_dispatch<Format::kInt8Wide>(M, w, sc, x, y, N, i0, i1, chosen.data());
-    else vnni_dispatch<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    if (format_ == Format::kInt8Block) stream_rows<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    else if (format_ == Format::kInt8Wide) stream_rows<Format::kInt8Wide>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    else stream_rows<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
   });
   return static_cast<int64_t>(chosen.size());
 }
@@ -428,17 +441,17 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
 #else
 
 int64_t Projection::refine_groups(const QuantizedRows&, float*, float) const {
-  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+  TORCH_CHECK(false, "built without AVX512-VNNI or AVX2: the low-bit kernels are unavailable (see has_low_bit)");
 }
 
 template <typename T>
 void Projection::run(const QuantizedRows&, T*) const {
-  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+  TORCH_CHECK(false, "built without AVX512-VNNI or AVX2: the low-bit kernels are unavailable (see has_low_bit)");
 }
 
 template <typename T>
 void Projection::run_tiled(const QuantizedRows&, T*) const {
-  TORCH_CHECK(false, "built without AVX512-VNNI: the low-bit decode kernels are unavailable (see has_vnni)");
+  TORCH_CHECK(false, "built without AVX512-VNNI or AVX2: the low-bit kernels are unavailable (see has_low_bit)");
 }
 
 #endif

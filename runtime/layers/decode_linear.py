@@ -6,17 +6,17 @@ their bytes cost; prefill, many rows at once, is compute-bound and keeps the pre
 checkpoint's own float32 values, and hands rows up to the copy's `max_rows` to it:
 
 - exactly 4-bit weights (the GGUF's Q4_K tensors): an `Int4Weight`, the weight itself on our kernel where the
-  CPU has AVX512-VNNI, else with its per-group scales rounded on torch's (`runtime/layers/int4.py`);
+  CPU has AVX512-VNNI or AVX2, else with its per-group scales rounded on torch's (`runtime/layers/int4.py`);
 - exactly int8 values times a scale per block of 32 (the GGUF's Q5_0 and Q8_0 tensors), where the CPU has
-  AVX512-VNNI: an `Int8DecodeWeight` with those scales, the weight itself (`runtime/layers/int8_blocks.py`);
+  AVX512-VNNI or AVX2: an `Int8DecodeWeight` with those scales, the weight itself (`runtime/layers/int8_blocks.py`);
 - any other weight: per-channel int8 (`Int8DecodeWeight`), the rounding of the `int8` format
-  (`runtime/layers/quantized.py`). Where the CPU has AVX512-VNNI, on our kernel (`runtime/kernels`), which
+  (`runtime/layers/quantized.py`). Where the CPU has AVX512-VNNI or AVX2, on our kernel (`runtime/kernels`), which
   quantises the activations per block of 32 and reads the weights as several streams at once: 23-27 GB/s
   from memory against 11-12 for `aten::_weight_int8pack_mm` (the fallback), up to 8 rows; perplexity of the
   `int8-head` decode path +0.42% against float32.
 
-Where a copy on our kernels takes every row count (AVX512-VNNI without AMX), it can also get a copy for the rows
-past eight (prefill, decode batches past eight; `make_tiles`): int8 with a float32 scale per row and block of 128,
+Where a copy on our kernels takes every row count (AVX512-VNNI or AVX2, without AMX), it can also get a copy for the
+rows past eight (prefill, decode batches past eight; `make_tiles`): int8 with a float32 scale per row and block of 128,
 requantised from the same float32 values (kept at load as `tiles_source` until then), its activations quantised
 per 128 too. Prefill is bound by the kernel's arithmetic, and a block's scaling takes the units its multiply-adds
 need: a quarter of it made prefill's projections 1.2x (a 2-core Zen 4 EPYC), for about a byte a weight more memory.
@@ -77,7 +77,7 @@ def quantize_per_block(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, 
 
 class Int8DecodeWeight:
     """Per-channel int8 rows (symmetric, one scale a row, from `quantize_per_channel`). Where the fused CPU
-    kernels have AVX512-VNNI (`runtime.kernels`), in their int8 kernel's layout (`projection`), which quantises
+    kernels have AVX512-VNNI or AVX2 (`runtime.kernels`), in their int8 kernel's layout (`projection`), which quantises
     the activations per block of 32 and reads the weights as four streams a thread: 23-27 against 11-12 GB/s
     for torch's `_weight_int8pack_mm` from memory (one row, 2 threads, on the Xeon of this work), up to 8 rows;
     else on that torch kernel, up to 4."""
@@ -89,7 +89,7 @@ class Int8DecodeWeight:
         self.dtype = dtype
         self.projection = None
         module = kernels.load()
-        if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
+        if module is not None and module.has_low_bit() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
             # every row count (up to 8 streamed, prefill's in tiles: 1.5x prepacked bfloat16 at 600 rows), but with
             # AMX decode's only (`runtime/layers/int4.py` OUR_MAX_ROWS)
             self.projection, self.max_rows = module.Projection.int8(q, scales.float().contiguous()), OUR_MAX_ROWS
@@ -162,7 +162,7 @@ def decode_copy(weight: torch.Tensor, dtype: torch.dtype) -> Int4Weight | Int8De
     grid = int4_grid(weight) if Int4Weight.wanted(weight, dtype) else None
     if grid is not None:
         return Int4Weight(*grid, dtype)
-    blocks = int8_block_grid(weight) if kernels.has_vnni() and weight.shape[0] % 16 == 0 else None
+    blocks = int8_block_grid(weight) if kernels.has_low_bit() and weight.shape[0] % 16 == 0 else None
     if blocks is not None:
         return Int8DecodeWeight(*blocks, dtype)
     if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):

@@ -6,7 +6,7 @@ levels. Dequantised to float32 by the loader, such a weight is therefore exactly
 with one scale and one offset per group of 32. A decode step reads about a quarter of the bytes of the
 bfloat16 copy for these weights. Two kernels:
 
-- where the CPU has AVX512-VNNI, ours (`runtime/kernels`, `Projection.int4`): the step and offset of each group
+- where the CPU has AVX512-VNNI or AVX2, ours (`runtime/kernels`, `Projection.int4`): the step and offset of each group
   kept in float32, so the weight is used exactly, and the activations quantised per block of 32 as for the
   int8 copies; it streams the weights at the memory's pace;
 - else torch's `aten::_weight_int4pack_mm_for_cpu` (`(q - 8) * scale + zero`, scales and zeros rounded to the
@@ -76,7 +76,7 @@ def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 class Int4Weight:
     """An exactly-4-bit weight in an int4 kernel's packed layout, next to the module's own weight: ours where
-    the CPU has AVX512-VNNI (`projection`), else torch's."""
+    the CPU has AVX512-VNNI or AVX2 (`projection`), else torch's."""
 
     max_rows = INT4_MAX_ROWS
 
@@ -84,7 +84,7 @@ class Int4Weight:
         self.dtype = dtype
         self.projection = None
         module = kernels.load()
-        if module is not None and module.has_vnni() and q.shape[0] % 16 == 0 and q.shape[1] % GROUP == 0:
+        if module is not None and module.has_low_bit() and q.shape[0] % 16 == 0 and q.shape[1] % GROUP == 0:
             self.projection = module.Projection.int4(q, step.float().contiguous(), low.float().contiguous())
             self.max_rows = OUR_MAX_ROWS
             return
@@ -95,7 +95,7 @@ class Int4Weight:
     @staticmethod
     def wanted(weight: torch.Tensor, dtype: torch.dtype) -> bool:
         """bfloat16 activations on a CPU with a kernel; float32 models stay exact and untouched."""
-        return dtype == torch.bfloat16 and weight.device.type == "cpu" and (KERNEL_AVAILABLE or kernels.has_vnni())
+        return dtype == torch.bfloat16 and weight.device.type == "cpu" and (KERNEL_AVAILABLE or kernels.has_low_bit())
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
         if self.projection is not None:

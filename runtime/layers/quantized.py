@@ -29,7 +29,7 @@ sixth of a decode step; by 8 rows the two are even, and beyond that the int8 ker
 its rows: per token at batch 1, but a few rows at once share one scale. That is why only the head, whose
 input is the normalised final hidden state, is quantised this way: perplexity on the reference text
 +0.2% (batch 1) / -0.5% (8 rows), against +1.4% and +7.9% with every projection quantised the same way.
-Where the CPU has AVX512-VNNI the head runs on our int8 kernel instead (`runtime/kernels`, activations
+Where the CPU has AVX512-VNNI or AVX2 the head runs on our int8 kernel instead (`runtime/kernels`, activations
 quantised per block of 32 values rather than one scale a call): 4.2-4.8 against 5.2-6.2 ms at one row, 10.4
 against 11.8 ms at eight; the int8-head decode path's perplexity +0.42% against float32. There, at one row, a
 coarse 4-bit copy of the head is read first and only the logits near the top are recomputed in int8
@@ -167,25 +167,26 @@ REDUCE_RANGE = not _cpu_has_vnni()
 
 
 class DynamicInt8Weight:
-    """A float weight (out, in) as per-channel int8 next to the module's own weight, in our VNNI kernel's layout
-    where the CPU has it (activations quantised per block of 32), else in torch's quantized-engine layout
+    """A float weight (out, in) as per-channel int8 next to the module's own weight, in our kernels' layout
+    where the CPU has them (AVX512-VNNI or AVX2; activations quantised per block of 32), else in torch's
+    quantized-engine layout
     (`matmul` quantises all rows with one scale); float32 out either way. Made at load time
     from the checkpoint's values; an in-place edit of the weight afterwards is not seen by it."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.packed = None
-        # Where the CPU has AVX512-VNNI, our kernel (activations in int8 blocks of 32, not one scale a call):
+        # Where the CPU has AVX512-VNNI or AVX2, our kernel (activations in int8 blocks of 32, not one scale a call):
         # the 168 MB head of Gemma 3 270M at one row in 4.2 against 5.2 ms (`runtime/layers/decode_linear.py`);
         # a Q8_0 table (Gemma 3 270M's) used exactly there, its float16 scale per block of 32 kept
         # (`runtime/layers/int8_blocks.py`: teacher-forced greedy agreement with transformers 96.6 against 94.7%).
-        blocks = int8_block_grid(weight) if kernels.has_vnni() and weight.shape[0] % 16 == 0 else None
+        blocks = int8_block_grid(weight) if kernels.has_low_bit() and weight.shape[0] % 16 == 0 else None
         q, scales = blocks if blocks is not None else quantize_per_channel(weight)
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
-        self.vnni_weight = copy if copy.projection is not None else None
+        self.kernel_weight = copy if copy.projection is not None else None
         self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS)
         # a batch-1 row reads a coarse int4 copy and refines its top in 8 bits (`runtime/layers/head_screen.py`)
         self.screen = None
-        if self.vnni_weight is not None:
+        if self.kernel_weight is not None:
             self.max_rows = OUR_MAX_ROWS
             self.screen = HeadScreen(weight, copy.projection)
             return
@@ -212,8 +213,8 @@ class DynamicInt8Weight:
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) float32
         if self.screen is not None and x2.shape[0] <= SCREEN_MAX_ROWS:
             return self.screen.logits(x2)
-        if self.vnni_weight is not None:  # bfloat16 or float32 rows, quantised the same way
-            return self.vnni_weight.matmul(x2, float_out=True)
+        if self.kernel_weight is not None:  # bfloat16 or float32 rows, quantised the same way
+            return self.kernel_weight.matmul(x2, float_out=True)
         return torch.ops.quantized.linear_dynamic(x2.float(), self.packed, REDUCE_RANGE)
 
 

@@ -51,16 +51,16 @@ def decode_projections(model: nn.Module) -> list:
             found.append(getattr(module.decode, "projection", None))
     for module in model.modules():
         copy = getattr(module, "int8", None)
-        if copy is not None and hasattr(copy, "vnni_weight"):  # an int8 head (`DynamicInt8Weight`)
+        if copy is not None and hasattr(copy, "kernel_weight"):  # an int8 head (`DynamicInt8Weight`)
             screen = getattr(copy, "screen", None)
             found.append(None if screen is None else screen.coarse)
-            found.append(getattr(copy.vnni_weight, "projection", None))
+            found.append(getattr(copy.kernel_weight, "projection", None))
     return [p for p in found if p is not None]
 
 
 def place_decode_weights(model: nn.Module, huge_pages: bool = True) -> WeightArena | None:
     """Move the decode copies of `model` (`decode_projections`) into one arena in read order (module docstring);
-    None where there are none (a float32 model, no AVX512-VNNI). `huge_pages=False`: 4 kB pages (comparisons)."""
+    None where there are none (a float32 model, no low-bit kernels). `huge_pages=False`: 4 kB pages (comparisons)."""
     projections = decode_projections(model)
     if not projections:
         return None

@@ -325,21 +325,21 @@ def _int4_weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor,
 
 
 @pytest.fixture(scope="module")
-def vnni(K):
-    if not K.has_vnni():
-        pytest.skip("this CPU has no AVX512-VNNI: the decode copies use torch's kernels")
+def low_bit(K):
+    if not K.has_low_bit():
+        pytest.skip("this CPU has neither AVX512-VNNI nor AVX2: the decode copies use torch's kernels")
     return K
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 6, 8, 9, 38, 101])  # up to 8 streamed, more in tiles
-def test_int8_projection_is_blockwise_int8_arithmetic(vnni, rows):
+def test_int8_projection_is_blockwise_int8_arithmetic(low_bit, rows):
     torch.manual_seed(rows)
     N, Kd = 80, 640  # 5 groups of 16 rows: the tiles' 3 and an edge of 2
     q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
     scales = torch.rand(N) / 100
     x = torch.randn(rows, Kd)
     x[0, :32] = 0  # an all-zero block: scale 0, no division by it
-    weight = vnni.Projection.int8(q, scales)
+    weight = low_bit.Projection.int8(q, scales)
     assert (weight.format, weight.out_features, weight.in_features) == ("int8", N, Kd)
     assert weight.nbytes == N * Kd + 4 * N
     out = weight.matmul(x)
@@ -356,7 +356,7 @@ def test_int8_projection_is_blockwise_int8_arithmetic(vnni, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 38])
-def test_int8_projection_with_a_scale_per_block(vnni, rows):
+def test_int8_projection_with_a_scale_per_block(low_bit, rows):
     """int8 values with a scale per row and block of 32 (a Q5_0 or Q8_0 tensor): the block sums scaled by the
     weight's block scale and the activations'."""
     torch.manual_seed(rows)
@@ -364,7 +364,7 @@ def test_int8_projection_with_a_scale_per_block(vnni, rows):
     q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
     scales = (torch.rand(N, Kd // 32) / 100).half().float()  # float16 values, as a GGUF's
     x = torch.randn(rows, Kd)
-    weight = vnni.Projection.int8(q, scales)
+    weight = low_bit.Projection.int8(q, scales)
     assert weight.format == "int8-block" and weight.nbytes == N * Kd + 2 * N * Kd // 32  # 8.5 bits a weight
     xq, xs = _quantised_blocks(x)
     dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 32).double())
@@ -381,7 +381,7 @@ def _wide_weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 38, 101])  # up to 8 streamed, more in tiles
-def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(vnni, rows):
+def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(low_bit, rows):
     """int8 values with a float32 scale per row and block of 128, the activations quantised per 128 values too:
     each block's integer sum scaled once by both scales."""
     torch.manual_seed(rows)
@@ -389,7 +389,7 @@ def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(vnni, row
     q, scales = _wide_weight(N, Kd, rows)
     x = torch.randn(rows, Kd)
     x[0, :128] = 0  # an all-zero block: scale 0, no division by it
-    weight = vnni.Projection.int8_wide(q, scales)
+    weight = low_bit.Projection.int8_wide(q, scales)
     assert (weight.format, weight.out_features, weight.in_features) == ("int8-wide", N, Kd)
     assert weight.nbytes == N * Kd + 4 * N * Kd // 128 and not weight.has_tiles
     xq, xs = _quantised_blocks(x, 128)
@@ -405,7 +405,7 @@ def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(vnni, row
 
 
 @pytest.mark.parametrize("rows", [3, 38])  # streamed, in tiles
-def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smooth(vnni, rows):
+def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smooth(low_bit, rows):
     """With `smooth` s (K,): each row times 1/s (the reciprocal, in float32), then the same blockwise arithmetic;
     q * scale is taken to hold W * s, so the product approximates x @ W^T."""
     torch.manual_seed(rows)
@@ -415,7 +415,7 @@ def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smoot
     s = torch.rand(Kd) * 4 + 0.25
     q = torch.round(w * s / (w * s).abs().amax(1, keepdim=True) * 127).to(torch.int8)
     scales = ((w * s).abs().amax(1, keepdim=True) / 127).expand(N, Kd // 128).contiguous()
-    weight = vnni.Projection.int8_wide(q, scales, s)
+    weight = low_bit.Projection.int8_wide(q, scales, s)
     assert weight.smoothed and weight.nbytes == N * Kd + 4 * N * Kd // 128 + 4 * Kd  # the reciprocals too
     xq, xs = _quantised_blocks(x.float() * s.reciprocal(), 128)
     dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 128).double())
@@ -423,32 +423,32 @@ def test_a_smoothed_int8_wide_projection_quantises_its_rows_divided_by_the_smoot
     torch.testing.assert_close(weight.matmul(x, float_out=True).double(), expected, rtol=1e-5, atol=1e-5)
     exact = x.double() @ w.double().T
     assert (weight.matmul(x, float_out=True).double() - exact).norm() / exact.norm() < 0.1  # a random s: no gain
-    plain = vnni.Projection.int8_wide(q, scales)  # the same weight unsmoothed: s's columns not divided out
+    plain = low_bit.Projection.int8_wide(q, scales)  # the same weight unsmoothed: s's columns not divided out
     assert not plain.smoothed and (plain.matmul(x, float_out=True).double() - exact).norm() / exact.norm() > 0.2
-    own = vnni.Projection.int8(q, torch.rand(N) / 100)
+    own = low_bit.Projection.int8(q, torch.rand(N) / 100)
     own.set_tiles(weight)
     assert own.smoothed and own.nbytes == N * Kd + 4 * N  # its tiles' copy is; nbytes: its own
 
 
-def test_a_smooth_must_be_one_positive_finite_float32_a_column(vnni):
+def test_a_smooth_must_be_one_positive_finite_float32_a_column(low_bit):
     q, scales = _wide_weight(16, 256, 0)
     for bad, match in ((torch.ones(255), r"float32 \(256,\) on the CPU"),
                        (torch.ones(256, dtype=torch.float64), "float32"),
                        (torch.zeros(256), "finite and positive"), (torch.full((256,), float("inf")), "finite"),
                        (-torch.ones(256), "positive"), (torch.full((256,), 1e-40), "finite reciprocals")):
         with pytest.raises(RuntimeError, match=match):
-            vnni.Projection.int8_wide(q, scales, bad)
+            low_bit.Projection.int8_wide(q, scales, bad)
 
 
-def test_a_tiles_copy_takes_the_rows_past_eight_only(vnni):
+def test_a_tiles_copy_takes_the_rows_past_eight_only(low_bit):
     """A projection with a tiles' copy: up to 8 rows on its own weight, more on the copy (and its blocks of 128),
     in `matmul` as in the fused layer calls; dropped, every row count on its own weight again."""
     torch.manual_seed(0)
     N, Kd = 48, 256
     q = torch.randint(-16, 16, (N, Kd), dtype=torch.int8)
     scales = (torch.rand(N, Kd // 32) / 100).half().float()
-    own, alone = vnni.Projection.int8(q, scales), vnni.Projection.int8(q, scales)
-    tiles = vnni.Projection.int8_wide(*_wide_weight(N, Kd, 1))
+    own, alone = low_bit.Projection.int8(q, scales), low_bit.Projection.int8(q, scales)
+    tiles = low_bit.Projection.int8_wide(*_wide_weight(N, Kd, 1))
     own.set_tiles(tiles)
     assert own.has_tiles and own.format == "int8-block" and own.nbytes == alone.nbytes  # nbytes: its own copy's
     for rows in (1, 8):
@@ -461,30 +461,30 @@ def test_a_tiles_copy_takes_the_rows_past_eight_only(vnni):
     assert not own.has_tiles and torch.equal(own.matmul(x), alone.matmul(x))
 
 
-def test_a_tiles_copy_must_fit_and_blocks_of_128_must_divide(vnni):
+def test_a_tiles_copy_must_fit_and_blocks_of_128_must_divide(low_bit):
     q, scales = _wide_weight(48, 256, 0)
-    own = vnni.Projection.int8(q, torch.rand(48) / 100)
+    own = low_bit.Projection.int8(q, torch.rand(48) / 100)
     with pytest.raises(RuntimeError, match="this weight's shape"):
-        own.set_tiles(vnni.Projection.int8_wide(*_wide_weight(32, 256, 0)))
-    nested = vnni.Projection.int8_wide(q, scales)
-    nested.set_tiles(vnni.Projection.int8_wide(q, scales))
+        own.set_tiles(low_bit.Projection.int8_wide(*_wide_weight(32, 256, 0)))
+    nested = low_bit.Projection.int8_wide(q, scales)
+    nested.set_tiles(low_bit.Projection.int8_wide(q, scales))
     with pytest.raises(RuntimeError, match="not have one of its own"):
         own.set_tiles(nested)
     assert not own.has_tiles  # refused: nothing set
     with pytest.raises(RuntimeError, match="K of 128"):
-        vnni.Projection.int8_wide(torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 1))
+        low_bit.Projection.int8_wide(torch.zeros(16, 96, dtype=torch.int8), torch.ones(16, 1))
     with pytest.raises(RuntimeError, match=r"float32 \(N, K / 128\)"):
-        vnni.Projection.int8_wide(q, torch.ones(48, 8))
+        low_bit.Projection.int8_wide(q, torch.ones(48, 8))
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 38, 101])
 @pytest.mark.parametrize("half_scales", [False, True])
-def test_int4_projection_uses_the_4bit_weight_exactly(vnni, rows, half_scales):
+def test_int4_projection_uses_the_4bit_weight_exactly(low_bit, rows, half_scales):
     """float32 steps and offsets used as they are; with half_scales (a screen's coarse copy), as float16 rounds them."""
     N, Kd = 64, 512  # 4 groups: a tile of 3 and an edge of 1
     q, step, low = _int4_weight(N, Kd, rows)
     x = torch.randn(rows, Kd, generator=torch.Generator().manual_seed(rows))
-    weight = vnni.Projection.int4(q, step, low, half_scales=half_scales)
+    weight = low_bit.Projection.int4(q, step, low, half_scales=half_scales)
     if half_scales:
         assert not torch.equal(step.half().float(), step)  # the rounding is there to be seen
         step, low = step.half().float(), low.half().float()
@@ -510,14 +510,14 @@ def _near_top_groups(y: torch.Tensor, margin: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("per_block", [True, False])
-def test_refine_recomputes_the_groups_near_each_rows_top_exactly(vnni, rows, per_block):
+def test_refine_recomputes_the_groups_near_each_rows_top_exactly(low_bit, rows, per_block):
     """A screen's values (here unrelated to the weight, so that only refine's choice can make them right): the groups
     near a row's top become `matmul`'s sums to the bit, every other value is left as it was."""
     torch.manual_seed(rows)
     N, Kd, margin = 16 * 256, 128, 0.5
     q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
     scales = (torch.rand(N, Kd // 32) / 100).half().float() if per_block else torch.rand(N) / 100
-    weight = vnni.Projection.int8(q, scales)
+    weight = low_bit.Projection.int8(q, scales)
     x = torch.randn(rows, Kd).bfloat16()
     exact = weight.matmul(x, float_out=True)
     screen = torch.randn(rows, N)
@@ -529,21 +529,21 @@ def test_refine_recomputes_the_groups_near_each_rows_top_exactly(vnni, rows, per
     assert torch.equal(y, expected)
 
 
-def test_refine_of_a_flat_row_is_the_whole_matmul(vnni):
+def test_refine_of_a_flat_row_is_the_whole_matmul(low_bit):
     torch.manual_seed(5)
     N, Kd = 16 * 32, 64
-    weight = vnni.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
+    weight = low_bit.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
     x = torch.randn(2, Kd)
     y = torch.zeros(2, N)  # every value at the top: every group near it
     assert weight.refine(x, y, 0.0) == N // 16
     assert torch.equal(y, weight.matmul(x, float_out=True))
 
 
-def test_refine_past_half_the_groups_recomputes_them_all(vnni):
+def test_refine_past_half_the_groups_recomputes_them_all(low_bit):
     """Most groups near the top (a flat row): all of them recomputed in order, the ones not near too."""
     torch.manual_seed(6)
     N, Kd = 16 * 64, 64
-    weight = vnni.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
+    weight = low_bit.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
     x = torch.randn(1, Kd)
     y = torch.zeros(1, N)
     y[0, : N * 3 // 8] = -10.0  # 24 groups of 64 far below the top, 40 at it
@@ -551,8 +551,8 @@ def test_refine_past_half_the_groups_recomputes_them_all(vnni):
     assert torch.equal(y, weight.matmul(x, float_out=True))
 
 
-def test_refine_refuses_what_it_cannot_take(vnni):
-    weight = vnni.Projection.int8(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32))
+def test_refine_refuses_what_it_cannot_take(low_bit):
+    weight = low_bit.Projection.int8(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32))
     with pytest.raises(RuntimeError, match="M in 1..8"):
         weight.refine(torch.zeros(9, 64), torch.zeros(9, 32), 1.0)
     with pytest.raises(RuntimeError, match="y must be contiguous float32"):
@@ -562,29 +562,29 @@ def test_refine_refuses_what_it_cannot_take(vnni):
     with pytest.raises(RuntimeError, match="margin"):
         weight.refine(torch.zeros(1, 64), torch.zeros(1, 32), -1.0)
     for half_scales in (False, True):
-        int4 = vnni.Projection.int4(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2), torch.zeros(32, 2),
+        int4 = low_bit.Projection.int4(torch.zeros(32, 64, dtype=torch.int32), torch.ones(32, 2), torch.zeros(32, 2),
                                     half_scales=half_scales)
         with pytest.raises(RuntimeError, match="int8 weight"):
             int4.refine(torch.zeros(1, 64), torch.zeros(1, 32), 1.0)
 
 
-def test_projections_refuse_what_they_cannot_pack_or_take(vnni):
+def test_projections_refuse_what_they_cannot_pack_or_take(low_bit):
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        vnni.Projection.int8(torch.zeros(10, 64, dtype=torch.int8), torch.ones(10))
+        low_bit.Projection.int8(torch.zeros(10, 64, dtype=torch.int8), torch.ones(10))
     with pytest.raises(RuntimeError, match="int8"):
-        vnni.Projection.int8(torch.zeros(16, 64), torch.ones(16))
+        low_bit.Projection.int8(torch.zeros(16, 64), torch.ones(16))
     with pytest.raises(RuntimeError, match="scales"):
-        vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(15))
+        low_bit.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(15))
     with pytest.raises(RuntimeError, match="float16 values.*got 0.1"):
-        vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.full((16, 2), 0.1))  # not a float16
+        low_bit.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.full((16, 2), 0.1))  # not a float16
     with pytest.raises(RuntimeError, match="0..15"):
-        vnni.Projection.int4(torch.full((16, 64), 16, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
+        low_bit.Projection.int4(torch.full((16, 64), 16, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2))
     with pytest.raises(RuntimeError, match="step"):
-        vnni.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 3), torch.zeros(16, 2))
+        low_bit.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.ones(16, 3), torch.zeros(16, 2))
     with pytest.raises(RuntimeError, match="65504"):
-        vnni.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.full((16, 2), 7e4), torch.zeros(16, 2),
+        low_bit.Projection.int4(torch.zeros(16, 64, dtype=torch.int32), torch.full((16, 2), 7e4), torch.zeros(16, 2),
                              half_scales=True)
-    weight = vnni.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
+    weight = low_bit.Projection.int8(torch.zeros(16, 64, dtype=torch.int8), torch.ones(16))
     with pytest.raises(RuntimeError, match=r"must be \(M, 64\)"):
         weight.matmul(torch.zeros(1, 32))  # not the weight's width
 
@@ -626,14 +626,14 @@ def _mostly_same_bits(out: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_layer_pre_is_norm_projection_then_qk_norm_and_rotation(vnni, rows):
+def test_layer_pre_is_norm_projection_then_qk_norm_and_rotation(low_bit, rows):
     torch.manual_seed(rows)
     hidden, H, Hkv, D = 640, 4, 1, 256
-    qkv = vnni.Projection.int8(*_int8_weight((H + 2 * Hkv) * D, hidden, 0))
+    qkv = low_bit.Projection.int8(*_int8_weight((H + 2 * Hkv) * D, hidden, 0))
     h = (4 * torch.randn(rows, hidden)).bfloat16()
     norm_scale, qk_scale = _scale(hidden), _scale(H + Hkv, D)
     cos, sin = RotaryEmbedding(D, 10_000.0, 4096).cos_sin(torch.randint(0, 4096, (rows,)))
-    q, k, v = vnni.layer_pre(h, norm_scale, qkv, qk_scale, H, Hkv, cos, sin, 1e-6)
+    q, k, v = low_bit.layer_pre(h, norm_scale, qkv, qk_scale, H, Hkv, cos, sin, 1e-6)
     projected = qkv.matmul(_torch_norm(h, norm_scale))
     qk = apply_rotary(_torch_norm(projected[:, :(H + Hkv) * D].view(rows, H + Hkv, D), qk_scale), cos, sin)
     assert q.shape == (rows, H, D) and k.shape == (rows, Hkv, D) and v.shape == (rows, Hkv, D)
@@ -644,16 +644,16 @@ def test_layer_pre_is_norm_projection_then_qk_norm_and_rotation(vnni, rows):
 
 @pytest.mark.parametrize("rows", [1, 3, 8])
 @pytest.mark.parametrize("down_format", ["int4", "int8"])
-def test_layer_post_is_the_torch_paths_operations(vnni, rows, down_format):
+def test_layer_post_is_the_torch_paths_operations(low_bit, rows, down_format):
     torch.manual_seed(rows)
     hidden, width, inter = 640, 1024, 2048
-    o = vnni.Projection.int4(*_int4_weight(hidden, width, 1))
-    gate_up = vnni.Projection.int8(*_int8_weight(2 * inter, hidden, 2))
-    down = (vnni.Projection.int4(*_int4_weight(hidden, inter, 3)) if down_format == "int4"
-            else vnni.Projection.int8(*_int8_weight(hidden, inter, 3)))
+    o = low_bit.Projection.int4(*_int4_weight(hidden, width, 1))
+    gate_up = low_bit.Projection.int8(*_int8_weight(2 * inter, hidden, 2))
+    down = (low_bit.Projection.int4(*_int4_weight(hidden, inter, 3)) if down_format == "int4"
+            else low_bit.Projection.int8(*_int8_weight(hidden, inter, 3)))
     h, attn = (8 * torch.randn(rows, hidden)).bfloat16(), torch.randn(rows, width).bfloat16()
     scales = [_scale(hidden) for _ in range(3)]
-    out = vnni.layer_post(h, attn, o, scales[0], scales[1], gate_up, down, scales[2], 1e-6)
+    out = low_bit.layer_post(h, attn, o, scales[0], scales[1], gate_up, down, scales[2], 1e-6)
     h1 = _torch_norm(o.matmul(attn), scales[0], residual=h)
     gate, up = gate_up.matmul(_torch_norm(h1, scales[1])).chunk(2, dim=-1)
     expected = _torch_norm(down.matmul(F.gelu(gate, approximate="tanh") * up), scales[2], residual=h1)
@@ -661,13 +661,13 @@ def test_layer_post_is_the_torch_paths_operations(vnni, rows, down_format):
     _mostly_same_bits(out, expected)
 
 
-def test_fused_layer_calls_refuse_shapes_that_do_not_chain(vnni):
-    w = vnni.Projection.int8(*_int8_weight(64, 64, 0))
+def test_fused_layer_calls_refuse_shapes_that_do_not_chain(low_bit):
+    w = low_bit.Projection.int8(*_int8_weight(64, 64, 0))
     h, s = torch.zeros(1, 64).bfloat16(), torch.ones(64)
     with pytest.raises(RuntimeError, match="do not chain"):
-        vnni.layer_post(h, torch.zeros(1, 64).bfloat16(), w, s, s, w, w, s, 1e-6)  # gate_up must be twice down's width
+        low_bit.layer_post(h, torch.zeros(1, 64).bfloat16(), w, s, s, w, w, s, 1e-6)  # gate_up must be twice down's width
     with pytest.raises(RuntimeError, match="T >= 1"):  # rows past eight run in tiles; none is refused
-        vnni.layer_pre(torch.zeros(0, 64).bfloat16(), s, w, torch.ones(3, 16), 1, 1, torch.ones(0, 16),
+        low_bit.layer_pre(torch.zeros(0, 64).bfloat16(), s, w, torch.ones(3, 16), 1, 1, torch.ones(0, 16),
                        torch.ones(0, 16), 1e-6)
 
 
@@ -699,3 +699,20 @@ def test_decode_attention_with_a_scaling_bfloat16_cannot_hold(K):
     out = K.decode_attention(q, k_buf, v_buf, indices, torch.tensor([0, n], dtype=torch.int32), 0.1, 0.0)
     expected = _reference_attention(q, k_buf, v_buf, indices, [n], 0.1)
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=2e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9])  # streamed and in tiles
+def test_int8_extremes_neither_saturate_nor_flip_a_sign(low_bit, rows):
+    """Weights at -128 and 127 against activations at +-127 in every position: the largest four-value sums either
+    kernel forms (AVX2 adds pairs of products in 16 bits and negates activations by the weights' signs, where -128 has
+    no positive twin). The integer sums must be exact: the output equals the reference to float32 rounding."""
+    N, Kd = 32, 128
+    gen = torch.Generator().manual_seed(rows)
+    q = torch.where(torch.rand(N, Kd, generator=gen) < 0.5, -128, 127).to(torch.int8)
+    q[0] = -128  # a row of -128 alone: every product's sign decided by the activation's
+    x = torch.where(torch.rand(rows, Kd, generator=gen) < 0.5, -1.0, 1.0)  # quantised to exactly +-127
+    x[0, 32:64] = -1.0  # a block whose pairs are all -127
+    scales = torch.full((N,), 1e-3)
+    out = low_bit.Projection.int8(q, scales).matmul(x)
+    torch.testing.assert_close(out.double(), _blockwise_reference(x, q, scales), rtol=1e-6, atol=1e-6)
+    assert out[0, 0].item() == pytest.approx(-128 * float(x[0].sum()) * 1e-3, rel=1e-6)

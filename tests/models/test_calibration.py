@@ -28,8 +28,8 @@ ELIGIBLE = ("qkv_proj", "gate_up_proj", "down_proj")
 
 @pytest.fixture(autouse=True)
 def vnni_without_amx():
-    if not kernels.has_vnni():
-        pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI)")
+    if not kernels.has_low_bit():
+        pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI or AVX2)")
     if OUR_MAX_ROWS < EVERY_ROW:
         pytest.skip("with AMX prefill keeps oneDNN's bfloat16 weight: no tiles' copies")
 

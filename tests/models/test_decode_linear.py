@@ -17,7 +17,7 @@ from runtime.memory_bound import decode_weight_bytes
 from runtime.models.config import Gemma3Config
 from runtime.models.loader import build_model, random_state_dict
 
-needs_kernel = pytest.mark.skipif(not int4.KERNEL_AVAILABLE and not kernels.has_vnni(), reason="no CPU int4 kernel here")
+needs_kernel = pytest.mark.skipif(not int4.KERNEL_AVAILABLE and not kernels.has_low_bit(), reason="no CPU int4 kernel here")
 
 
 def q4k_like(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
@@ -66,8 +66,8 @@ def test_an_int8_block_weight_is_recovered_exactly():
 
 @needs_kernel
 def test_a_q5_0_weight_gets_an_exact_int8_copy():
-    if not kernels.has_vnni():
-        pytest.skip("per-block int8 scales are our kernels' (AVX512-VNNI)")
+    if not kernels.has_low_bit():
+        pytest.skip("per-block int8 scales are our kernels' (AVX512-VNNI or AVX2)")
     w = symmetric_blocks_like(96, 128, -16)
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
@@ -96,8 +96,8 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
     assert isinstance(layer.decode, Int4Weight if kind == "int4" else Int8DecodeWeight) and kind in repr(layer)
-    ours = layer.decode.projection is not None  # our kernels (AVX512-VNNI): every row count but with AMX
-    assert ours == (kernels.load() is not None and kernels.load().has_vnni())
+    ours = layer.decode.projection is not None  # our kernels (AVX512-VNNI or AVX2): every row count but with AMX
+    assert ours == (kernels.load() is not None and kernels.load().has_low_bit())
     assert layer.decode.max_rows == (OUR_MAX_ROWS if ours else INT4_MAX_ROWS if kind == "int4" else INT8_MAX_ROWS)
     every = layer.decode.max_rows >= EVERY_ROW
     assert (layer.packed is None) == (every or not PackedWeight.wanted(layer.weight))  # no pack beside such a copy
@@ -124,8 +124,8 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
 def test_with_amx_our_copies_serve_decode_only_and_the_weight_keeps_its_pack(monkeypatch):
     """Where the CPU has AMX (oneDNN's bfloat16 tiles), prefill keeps the prepacked weight: simulated here by the
     row limit that detection sets there."""
-    if not kernels.has_vnni():
-        pytest.skip("our kernels need AVX512-VNNI")
+    if not kernels.has_low_bit():
+        pytest.skip("our kernels need AVX512-VNNI or AVX2")
     monkeypatch.setattr(decode_linear, "OUR_MAX_ROWS", 8)
     w = torch.randn(96, 128) * 0.05
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
@@ -165,8 +165,8 @@ def test_a_weight_quantised_per_block_of_128_is_within_half_a_step():
 
 
 def _vnni_without_amx():
-    if not kernels.has_vnni():
-        pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI)")
+    if not kernels.has_low_bit():
+        pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI or AVX2)")
     if OUR_MAX_ROWS < EVERY_ROW:
         pytest.skip("with AMX prefill keeps oneDNN's bfloat16 weight: no tiles' copies")
 

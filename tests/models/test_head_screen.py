@@ -9,7 +9,7 @@ from runtime import kernels
 from runtime.layers.head_screen import REFINE_MARGIN, SCREEN_MAX_ROWS, coarse_int4
 from runtime.layers.quantized import Int8HeadEmbedding, set_head_screen
 
-pytestmark = pytest.mark.skipif(not kernels.has_vnni(), reason="the screen runs on our int4 kernel (AVX512-VNNI)")
+pytestmark = pytest.mark.skipif(not kernels.has_low_bit(), reason="the screen runs on our int4 kernel (AVX512-VNNI or AVX2)")
 
 
 def _head(weight: torch.Tensor) -> Int8HeadEmbedding:
@@ -44,9 +44,9 @@ def test_coarse_copy_rounds_each_group_to_its_own_16_levels():
 def test_logits_near_the_top_are_the_int8_heads_and_the_rest_are_screened(rows):
     head = _head(_weight(seed=rows))
     copy = head.int8
-    assert copy.screen is not None and copy.screen.nbytes() < 0.75 * copy.vnni_weight.nbytes()
+    assert copy.screen is not None and copy.screen.nbytes() < 0.75 * copy.kernel_weight.nbytes()
     x = _rows(rows, rows)
-    exact = copy.vnni_weight.matmul(x, float_out=True)
+    exact = copy.kernel_weight.matmul(x, float_out=True)
     screened = copy.screen.coarse.matmul(x, float_out=True)
     error = float((screened - exact).abs().max())
     assert 0 < error < REFINE_MARGIN / 2.5
@@ -66,7 +66,7 @@ def test_the_head_screens_its_rows_up_to_the_limit_and_not_when_switched_off():
     head = _head(_weight(seed=9))
     model_like.lm_head, model_like.model = None, type("Inner", (), {"embed_tokens": head})()
     x = _rows(SCREEN_MAX_ROWS + 1, 9)
-    int8 = head.int8.vnni_weight
+    int8 = head.int8.kernel_weight
     with torch.no_grad():
         assert torch.equal(head.logits(x), int8.matmul(x, float_out=True))  # more rows: the int8 head alone
         screened = head.logits(x[:SCREEN_MAX_ROWS])

@@ -78,7 +78,7 @@ def test_more_rows_take_the_float_weight_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_with_an_int8_head_is_the_plain_model_but_for_its_logits(dtype):
-    """...and, in bfloat16 on our kernels (AVX512-VNNI), but for its projections: their low-bit copies take every
+    """...and, in bfloat16 on our kernels (AVX512-VNNI or AVX2), but for its projections: their low-bit copies take every
     row count there (tests/models/test_decode_linear.py), so the hidden states are the plain model's only
     within the int8 activation blocks' error."""
     config = Gemma3Config.tiny()

@@ -13,7 +13,7 @@ from runtime.models.config import Gemma3Config
 from runtime.memory_bound import read_buffer
 from runtime.models.loader import build_model, random_state_dict
 
-needs_vnni = pytest.mark.skipif(not kernels.has_vnni(), reason="our low-bit kernels need AVX512-VNNI")
+needs_low_bit = pytest.mark.skipif(not kernels.has_low_bit(), reason="our low-bit kernels need AVX512-VNNI or AVX2")
 
 
 def _projections():
@@ -33,7 +33,7 @@ def _projections():
     }
 
 
-@needs_vnni
+@needs_low_bit
 def test_placed_copies_multiply_the_same_to_the_bit_and_read_from_the_arena():
     K = kernels.load()
     projections = _projections()
@@ -56,7 +56,7 @@ def test_placed_copies_multiply_the_same_to_the_bit_and_read_from_the_arena():
         assert not p.matmul(x).float().abs().max() > 0
 
 
-@needs_vnni
+@needs_low_bit
 def test_a_bad_arena_or_offset_is_refused():
     K = kernels.load()
     p = _projections()["int8-block"]
@@ -73,7 +73,7 @@ def test_a_bad_arena_or_offset_is_refused():
     assert torch.equal(p.matmul(x), expected)
 
 
-@needs_vnni
+@needs_low_bit
 def test_a_long_weight_in_huge_pages_streams_differently_to_the_same_sums():
     """Past 16 MB packed, a weight placed in 2 MB pages reads as one stream a thread on Zen 4 (quant_kernels.cpp):
     the same groups and blocks in the same order within each sum, so the same values to the bit."""
@@ -88,7 +88,7 @@ def test_a_long_weight_in_huge_pages_streams_differently_to_the_same_sums():
     assert torch.equal(p.matmul(x, float_out=True), four_kb)
 
 
-@needs_vnni
+@needs_low_bit
 def test_a_built_model_has_its_copies_in_one_arena_in_read_order():
     config = Gemma3Config.tiny(vocab_size=272)  # a multiple of 16: the head gets its int8 copy and screen
     model = build_model(config, random_state_dict(config, seed=0), torch.bfloat16, quantization="int8-head")
@@ -99,7 +99,7 @@ def test_a_built_model_has_its_copies_in_one_arena_in_read_order():
     assert arena is not None and arena.projections == len(projections) == len(layers) + 2  # + the head's screen, int8
     assert projections[0] is model.model.layers[0].self_attn.qkv_proj.decode.projection
     assert projections[3] is model.model.layers[0].mlp.down_proj.decode.projection
-    assert projections[-1] is model.model.embed_tokens.int8.vnni_weight.projection
+    assert projections[-1] is model.model.embed_tokens.int8.kernel_weight.projection
     assert arena.nbytes == sum(p.placed_bytes for p in projections) <= arena.buffer.numel()
     # the kernels stream as from 2 MB pages only where the kernel gave them (smaps), whatever this machine allows
     in_huge_pages = arena.huge_bytes >= HUGE_PAGE_SHARE * arena.buffer.numel()
@@ -140,14 +140,14 @@ def test_huge_page_bytes_sums_the_mappings_the_buffer_lies_in(tmp_path):
     assert huge_page_bytes(buf, tmp_path / "missing") == 0
 
 
-@needs_vnni
+@needs_low_bit
 def test_the_bandwidth_probe_reads_from_pages_asked_as_the_weights_are():
     buf = read_buffer(8 << 20)
     assert buf.dtype == torch.float32 and buf.numel() == 2 << 20 and bool((buf == 1).all())
     assert buf.data_ptr() % HUGE_PAGE == 0  # from `weight_arena`, not torch's allocator
 
 
-@needs_vnni
+@needs_low_bit
 def test_switching_the_screen_off_gives_its_bytes_back_and_keeps_the_int8_head():
     config = Gemma3Config.tiny(vocab_size=272)
     model = build_model(config, random_state_dict(config, seed=0), torch.bfloat16, quantization="int8-head")
@@ -156,7 +156,7 @@ def test_switching_the_screen_off_gives_its_bytes_back_and_keeps_the_int8_head()
     before = model.decode_arena
     x = torch.randn(1, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
     with torch.no_grad():
-        exact = head.vnni_weight.matmul(x, float_out=True)
+        exact = head.kernel_weight.matmul(x, float_out=True)
         assert not set_head_screen(model, False)
         assert torch.equal(model.compute_logits(x), exact)  # the int8 head alone, read from the new buffer
     after = model.decode_arena
