@@ -6,7 +6,7 @@ The choice depends on what the CPU can multiply natively:
 | CPU features | dtype | quantization | why |
 |---|---|---|---|
 | AMX-BF16 or AVX512-BF16 | bfloat16 | int8-head | bfloat16 units for activations, norms and attention; the LM head and projections read the GGUF's own low-bit blocks (int4 / int8 per block, used exactly) on the fused kernels, prefill too where the CPU has AVX512-VNNI but no AMX, there on int8 in blocks of 128 requantised at load and smoothed by a calibration run (`--prefill-weights`: prefill's projections 1.2x the GGUF's blocks, which ran 1.5x prepacked bfloat16; with AMX, oneDNN's AMX tiles), decode at the memory's pace; with VNNI a batch-1 step's LM head screened in 4 bits, its top refined in 8 (runtime/layers/head_screen.py) |
-| AVX2 (with FMA and F16C) or AVX-512 without bfloat16 units | bfloat16 | int8-head | bfloat16 matmuls are emulated; the same low-bit copies and kernels as above, built for AVX2 (`vpmaddubsw`; runtime/kernels/quant_avx2.h) where the CPU has no AVX512-VNNI: batch-1 steps 2.8-10x the `int8` format's, prefill's projections several times prepacked bfloat16's |
+| AVX2 (with FMA and F16C) or AVX-512 without bfloat16 units | bfloat16 | int8-head | bfloat16 matmuls are emulated; the same low-bit copies and kernels as above, built for AVX2 (`vpmaddubsw`; runtime/kernels/quant_avx2.h) where the CPU has no AVX512-VNNI: on a 2-core Zen 1 EPYC, batch-1 steps 2.8x the `int8` format's and 1.74-1.78x llama.cpp through the server |
 | AVX2 without FMA or F16C | bfloat16 | int8 | int8 weight-only projections on torch's kernels read a quarter of float32's bytes |
 | anything else (no AVX2, not x86) | float32 | none | nothing measured there: the exact path |
 

@@ -23,8 +23,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(bfloat16 where it has AVX2 or bfloat16 units, else float32; printed at start); float32 "
                         "is token-exact with transformers")
     g.add_argument("--quantization", choices=QUANTIZATIONS, default=d.quantization,
-                   help="weight format: auto (default: int8-head on CPUs with bfloat16 units, int8 on AVX2 "
-                        "without them, else none), none (the --dtype), int8 (weight-only, per-channel scales: projections "
+                   help="weight format: auto (default: int8-head on CPUs with bfloat16 units or AVX2 with FMA and "
+                        "F16C, int8 on other AVX2 CPUs, else none), none (the --dtype), int8 (weight-only, per-channel scales: projections "
                         "and LM head) or int8-head (the --dtype for activations, norms and the KV cache; the LM head "
                         "and every projection through low-bit copies of the GGUF's own blocks: int4 where exactly "
                         "4-bit, int8 per block where Q8_0/Q5_0, else per-channel int8; for every row count where "
