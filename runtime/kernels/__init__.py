@@ -34,10 +34,16 @@ The extension is built once per source and CPU (`-march=native`: a cache shared 
 CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about 35 s with
 torch's headers on 2 cores, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
 `SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
+
+torch marks a build in progress with a `lock` file and waits, forever, while one exists; a build killed half-way
+leaves it behind, and every later start then hung without a word. So `load()` holds an OS lock on
+`build.flock` around torch's (the kernel drops it when its holder dies): once held, a `lock` file is stale, and
+is removed with a warning.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -77,6 +83,22 @@ def _build_name() -> str:
     return f"swa_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
+def _hold_build_dir(build_dir: Path):
+    """An open file whose lock makes this process the only one building in `build_dir` (waiting, and saying so,
+    while another is); torch's `lock` file found then was left by a build that died, and is removed."""
+    handle = open(build_dir / "build.flock", "w")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("waiting for another process building the fused CPU kernels in %s", build_dir)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    stale = build_dir / "lock"
+    if stale.exists():
+        log.warning("removing %s, left by a kernel build that was killed before it finished", stale)
+        stale.unlink(missing_ok=True)
+    return handle
+
+
 def load() -> object | None:
     """The compiled kernels, building them on first use; None when they cannot be had (`failure()` says why)."""
     global _module, _failure
@@ -93,12 +115,13 @@ def load() -> object | None:
             build_dir.mkdir(parents=True, exist_ok=True)
             from torch.utils.cpp_extension import load as load_extension
 
-            if not (build_dir / f"{build_dir.name}.so").exists():
-                log.info("building the fused CPU kernels (once per machine, ~35 s) in %s", build_dir)
-            _module = load_extension(
-                name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+            with _hold_build_dir(build_dir):
+                if not (build_dir / f"{build_dir.name}.so").exists():
+                    log.info("building the fused CPU kernels (once per machine, ~35 s) in %s", build_dir)
+                _module = load_extension(
+                    name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                    verbose=False)
         except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, an unwritable cache, a failed build)
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             log.warning("fused CPU kernels unavailable, the torch path serves: %s", _failure)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -285,6 +286,53 @@ def test_an_unwritable_cache_is_a_reason_not_a_crash(tmp_path):
     blocker.write_text("")  # the cache "directory" is a file: nothing can be made under it
     flag, why = _load_in_subprocess(SWA_RUNTIME_CACHE_DIR=str(blocker))
     assert flag == "True True" and "Error" in why, why
+
+
+_LOAD_LOGGED = ("import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stderr); "
+                "from runtime import kernels; print(kernels.load() is not None, kernels.failure())")
+
+
+def _built_dir() -> Path:
+    from runtime.paths import cache_dir
+
+    return cache_dir() / "kernels" / kernels._build_name()
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_not_waited_on(K):
+    """torch's `lock` file from a build killed half-way: the next start takes it as stale and loads (before, it
+    waited on it forever)."""
+    stale = _built_dir() / "lock"
+    stale.write_text("")
+    try:
+        run = subprocess.run([sys.executable, "-c", _LOAD_LOGGED], capture_output=True, text=True, timeout=240)
+    finally:
+        left = stale.exists()
+        stale.unlink(missing_ok=True)
+    assert run.stdout.split() == ["True", "None"], run.stderr
+    assert not left and "left by a kernel build that was killed" in run.stderr, run.stderr
+
+
+def test_a_build_in_progress_is_waited_for_and_its_lock_kept(K):
+    """While another process holds the build (its OS lock and torch's `lock` file), a start waits and says so; it
+    loads once that build ends, and never removed the live build's file."""
+    import fcntl
+
+    build_dir = _built_dir()
+    live = build_dir / "lock"
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        live.write_text("")
+        child = subprocess.Popen([sys.executable, "-c", _LOAD_LOGGED], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        try:
+            said = child.stderr.readline()
+            assert "waiting for another process building" in said, said
+            assert live.exists() and child.poll() is None
+        finally:
+            live.unlink(missing_ok=True)  # the build "ends": torch's file first, then the OS lock
+    out, err = child.communicate(timeout=240)
+    assert out.split() == ["True", "None"], err
+    assert "killed" not in err, err
 
 
 def _quantised_blocks(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
