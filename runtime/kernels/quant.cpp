@@ -24,7 +24,9 @@
 //   projection's copy for rows past eight (`set_tiles`), requantised from the GGUF's values at load. Smoothed
 //   (`smooth`): a few activation columns are tens of times their neighbours', and one such value in a block of 128
 //   sets the block's scale alone; the copy holds W * s and the activations are multiplied by 1 / s as they are
-//   quantised (`QuantizedRows::quantize`), s chosen from the activations' and the weight's column maxima.
+//   quantised (`QuantizedRows::quantize`), s chosen from the activations' and the weight's column maxima. Paired
+//   (`paired`, found here from the values): every four weights of a row that one 16-bit sum of the AVX2 tiles holds
+//   add up to at most kPairBudget, and those tiles then take two lines a step (quant_avx2.h, `add_dot_paired`).
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 
@@ -169,6 +171,9 @@ Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales, 
                   scales.size(1) == K / kWideBlock,
               "scales must be float32 (N, K / 128)");
   Projection p(pack_int8(w), group_scales(scales.contiguous(), at::kFloat), N, K, Format::kInt8Wide);
+  // values 8i + 4a + 2p + b: the four of one 16-bit sum share (i, p), over a (the line) and b (the pair)
+  const at::Tensor quads = w.to(at::kInt).abs().view({N, K / 8, 2, 2, 2}).sum({2, 4});
+  p.paired_ = quads.le(kPairBudget).all().item<bool>();
   if (smooth.has_value()) {
     const at::Tensor& s = *smooth;
     TORCH_CHECK(s.device().is_cpu() && s.scalar_type() == at::kFloat && s.dim() == 1 && s.size(0) == K,

@@ -13,6 +13,10 @@ namespace swa {
 
 constexpr int64_t kBlock = 32;   // activation values per quantisation block; int4 weights per (scale, offset)
 constexpr int64_t kWideBlock = 128;  // the same for the wide format (kInt8Wide): prefill's tiles
+// A paired kInt8Wide copy (`Projection::paired`): the four weights of a row whose products one 16-bit sum of the AVX2
+// tiles holds (values 8i + {0, 1, 4, 5} and 8i + {2, 3, 6, 7}) add up to at most this in magnitude, so that against
+// activations within -127..127 the sum stays within 32767 (= 258 * 127 + 1).
+constexpr int64_t kPairBudget = 258;
 constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
 // Packed bytes from which a weight in 2 MB pages streams as one long read-ahead stream a thread on Zen 4 (an LM head:
 // 84-170 MB; a layer's projections, at most 2.8 MB, keep four streams; quant_kernels.cpp, `vnni_vendor`).
@@ -109,6 +113,9 @@ class Projection {
   // decode stack's) keep the old buffers.
   int64_t place(at::Tensor& arena, int64_t offset, bool huge_pages);
   bool huge_pages() const { return huge_pages_; }
+  // kInt8Wide within `kPairBudget`: the AVX2 tiles then add two lines' pair sums in 16 bits before widening them
+  // (quant_avx2.h, `add_dot_paired`); AVX512-VNNI has no use for it.
+  bool paired() const { return paired_; }
   // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)
   bool smoothed() const { return column_mul_.defined() || (tiles_ != nullptr && tiles_->smoothed()); }
 
@@ -121,6 +128,7 @@ class Projection {
   int64_t N_, K_;
   Format format_;
   bool huge_pages_ = false;  // placed in an arena of 2 MB pages (`place`)
+  bool paired_ = false;  // kInt8Wide within kPairBudget (`paired`)
   std::shared_ptr<const Projection> tiles_;
 };
 

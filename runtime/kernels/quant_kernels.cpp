@@ -364,7 +364,15 @@ void Projection::run_tiled(const QuantizedRows& x, T* y) const {
         case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_); break;
         case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_); break;
         case Format::kInt4Half: tiles<Format::kInt4Half>(w, sc, x, m0, m1, g0, g1, y, N_); break;
-        case Format::kInt8Wide: tiles<Format::kInt8Wide>(w, sc, x, m0, m1, g0, g1, y, N_); break;
+        case Format::kInt8Wide:
+#if defined(SWA_LOW_BIT_AVX2)
+          if (paired_) {
+            tiles<Format::kInt8Wide, T, true>(w, sc, x, m0, m1, g0, g1, y, N_);
+            break;
+          }
+#endif
+          tiles<Format::kInt8Wide>(w, sc, x, m0, m1, g0, g1, y, N_);
+          break;
       }
     }
   });

@@ -422,23 +422,26 @@ def test_int8_projection_with_a_scale_per_block(low_bit, rows):
     assert (weight.matmul(x).double() - exact).norm() / exact.norm() < 0.02
 
 
-def _wide_weight(N: int, K: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _wide_weight(N: int, K: int, seed: int, largest: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return (torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8),
+    return (torch.randint(-largest, largest + 1, (N, K), generator=gen, dtype=torch.int8),
             torch.rand(N, K // 128, generator=gen) / 100 + 1e-4)
 
 
+@pytest.mark.parametrize("paired", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 38, 101])  # up to 8 streamed, more in tiles
-def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(low_bit, rows):
+def test_int8_wide_projection_is_blockwise_arithmetic_in_blocks_of_128(low_bit, rows, paired):
     """int8 values with a float32 scale per row and block of 128, the activations quantised per 128 values too:
-    each block's integer sum scaled once by both scales."""
+    each block's integer sum scaled once by both scales. Weights within -64..64 make a paired copy (every four
+    values of one 16-bit sum within PAIR_BUDGET), which the AVX2 tiles take two lines a step."""
     torch.manual_seed(rows)
     N, Kd = 80, 640  # 5 groups of 16 rows (the tiles' 3 and an edge of 2), 5 blocks of 128
-    q, scales = _wide_weight(N, Kd, rows)
+    q, scales = _wide_weight(N, Kd, rows, 64 if paired else 127)
     x = torch.randn(rows, Kd)
     x[0, :128] = 0  # an all-zero block: scale 0, no division by it
     weight = low_bit.Projection.int8_wide(q, scales)
     assert (weight.format, weight.out_features, weight.in_features) == ("int8-wide", N, Kd)
+    assert weight.paired == paired
     assert weight.nbytes == N * Kd + 4 * N * Kd // 128 and not weight.has_tiles
     xq, xs = _quantised_blocks(x, 128)
     dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 128).double())  # exact integers
@@ -747,6 +750,36 @@ def test_decode_attention_with_a_scaling_bfloat16_cannot_hold(K):
     out = K.decode_attention(q, k_buf, v_buf, indices, torch.tensor([0, n], dtype=torch.int32), 0.1, 0.0)
     expected = _reference_attention(q, k_buf, v_buf, indices, [n], 0.1)
     torch.testing.assert_close(out.float(), expected, rtol=2 ** -8, atol=2e-3)
+
+
+def _quads_at(first: list[int], second: list[int], N: int, K: int) -> torch.Tensor:
+    """(N, K) int8: every 8 values of a row 8i + {0, 1, 4, 5} = first, 8i + {2, 3, 6, 7} = second (the two fours
+    one 16-bit sum of the AVX2 tiles holds each), signs at random."""
+    pattern = torch.tensor([first[0], first[1], second[0], second[1], first[2], first[3], second[2], second[3]])
+    signs = torch.where(torch.rand(N, K, generator=torch.Generator().manual_seed(K)) < 0.5, -1, 1)
+    return (pattern.repeat(N, K // 8) * signs).to(torch.int8)
+
+
+@pytest.mark.parametrize("rows", [9, 38])  # in tiles
+def test_a_paired_copy_at_its_budget_sums_exactly(low_bit, rows):
+    """Four values adding up to PAIR_BUDGET (258) in every 16-bit sum against activations at +-127 whose signs match
+    the weights' (row 0): each sum 258 * 127 = 32766, one below where 16 bits wrap. The output is the exact
+    blockwise reference; one four at 259 and the copy is not paired (and still exact, a line a step)."""
+    N, Kd = 32, 256
+    assert low_bit.PAIR_BUDGET == 258
+    scales = torch.full((N, Kd // 128), 1e-3)
+    x = torch.where(torch.rand(rows, Kd, generator=torch.Generator().manual_seed(rows)) < 0.5, -1.0, 1.0)
+    for q, paired in ((_quads_at([127, 127, 2, 2], [64, 64, 65, 65], N, Kd), True),
+                      (_quads_at([127, 127, 2, 2], [64, 64, 65, 66], N, Kd), False)):
+        x[0] = torch.sign(q[0].float())  # every product of row 0 with output 0 at +127 * |w|
+        weight = low_bit.Projection.int8_wide(q, scales)
+        assert weight.paired == paired
+        xq, xs = _quantised_blocks(x, 128)
+        dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 128).double())
+        expected = (dots * xs.double().view(rows, 1, -1) * scales.double()[None]).sum(-1)
+        out = weight.matmul(x)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+        assert out[0, 0].item() == pytest.approx(float(q[0].abs().sum()) * 1e-3, rel=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])  # streamed and in tiles

@@ -69,7 +69,8 @@ def test_each_eligible_projection_gets_the_copy_its_measured_inputs_give():
         assert mod.tiles_source is None and mod.decode.projection.smoothed
         column_max = seen[name].abs().amax(0)
         s = decode_linear.smoothing(column_max, sources[name])
-        expected = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(sources[name] * s, 128), s)
+        expected = kernels.load().Projection.int8_wide(
+            *decode_linear.quantize_per_block(sources[name] * s, 128, decode_linear.tile_pair_budget()), s)
         rows = x[:, :mod.in_features].contiguous()
         with torch.no_grad():
             assert torch.equal(mod(rows), expected.matmul(rows)), name

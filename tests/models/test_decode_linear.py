@@ -164,6 +164,24 @@ def test_a_weight_quantised_per_block_of_128_is_within_half_a_step():
     assert bool((q[5, 128:] == 0).all())
 
 
+def test_a_weight_quantised_within_a_pair_budget_keeps_every_four_within_it():
+    """`pair_budget`: the fours of a row that one 16-bit sum of the AVX2 tiles holds (8i + {0, 1, 4, 5}, 8i + {2, 3,
+    6, 7}) add up to at most the budget once rounded, by a larger scale only where a four needs it; half a step."""
+    torch.manual_seed(0)
+    w = torch.randn(32, 256)
+    w[3, :8] = torch.tensor([9.0, 9.0, 0.1, 0.1, 9.0, 9.0, 0.1, 0.1])  # one four near the block's largest value
+    plain, plain_scales = decode_linear.quantize_per_block(w, 128)
+    q, scales = decode_linear.quantize_per_block(w, 128, pair_budget=258)
+    assert int(decode_linear.pair_quads(plain[3:4].int().abs())[0, 0]) > 258  # 4 x 127: too much for 16 bits
+    assert int(decode_linear.pair_quads(q.int().abs()).max()) <= 258
+    assert float(scales[3, 0]) > float(plain_scales[3, 0]) * 1.8  # that block's scale raised
+    ratio = scales / plain_scales
+    assert float(ratio.min()) >= 1.0 and float((ratio == 1).float().mean()) > 0.2  # others as before, or a little up
+    step = scales.repeat_interleave(128, 1)
+    assert bool(((q.float() * step - w).abs() <= step / 2 + 1e-6).all())
+    assert torch.equal(decode_linear.pair_quads(torch.arange(16.0).view(1, 16)), torch.tensor([[10.0, 18.0, 42.0, 50.0]]))
+
+
 def _vnni_without_amx():
     if not kernels.has_low_bit():
         pytest.skip("the tiles' copies are our kernels' (AVX512-VNNI or AVX2)")
@@ -186,7 +204,8 @@ def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_o
         gguf = layer(x)
         decode_linear.make_tiles(layer, None)
         assert layer.tiles_source is None and layer.decode.projection.has_tiles
-        tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w, 128))
+        tiles = kernels.load().Projection.int8_wide(
+            *decode_linear.quantize_per_block(w, 128, decode_linear.tile_pair_budget()))
         assert torch.equal(layer(x), tiles.matmul(x)) and not torch.equal(layer(x), gguf)  # past eight rows
         assert torch.equal(layer(x[:8]), gguf[:8])  # up to eight: the GGUF's own blocks
         torch.testing.assert_close(layer(x).float(), x.float() @ w.T, rtol=0.05, atol=0.05)
@@ -217,7 +236,8 @@ def test_a_smoothed_copy_divides_the_activation_columns_and_keeps_a_loud_column_
             errors[smooth] = float((layer(x).float() - exact).abs().mean())
             if smooth:  # what the kernel computes: the weight's columns times s quantised, the rows divided by s
                 s = decode_linear.smoothing(column_max, w)
-                tiles = kernels.load().Projection.int8_wide(*decode_linear.quantize_per_block(w * s, 128), s)
+                tiles = kernels.load().Projection.int8_wide(
+                    *decode_linear.quantize_per_block(w * s, 128, decode_linear.tile_pair_budget()), s)
                 assert torch.equal(layer(x), tiles.matmul(x))
     assert errors[True] < 0.6 * errors[False], errors
 
