@@ -169,8 +169,8 @@ def tile_pair_budget() -> int | None:
 
 def make_tiles(module: "DecodeLinear", column_max: torch.Tensor | None) -> None:
     """`module`'s copy gets its tiles' copy for the rows past eight, made from the float32 values it kept at load
-    (`tiles_source`, then released): int8 in blocks of 128 (`WIDE_BLOCK`) within `tile_pair_budget()`, smoothed by `column_max` (the
-    activations' largest magnitude per input column in calibration, `smoothing`) or not (None)."""
+    (`tiles_source`, then released): int8 in blocks of 128 (`WIDE_BLOCK`) within `tile_pair_budget()`, smoothed by
+    `column_max` (the activations' largest magnitude per input column in calibration, `smoothing`) or not (None)."""
     weight, module.tiles_source = module.tiles_source, None
     if weight is None:
         raise ValueError(f"{module!r} kept no values to make a tiles' copy from (made already, or not eligible)")
