@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the instructions the low-bit kernels run on: avx512_vnni, avx2, or empty (none built)");
   m.attr("MAX_ROWS") = swa::kMaxRows;
   m.attr("PAIR_BUDGET") = swa::kPairBudget;
+  m.attr("NARROW_MAX") = swa::kNarrowMax;
   m.def("weight_arena", &swa::weight_arena, pybind11::arg("nbytes"), pybind11::arg("huge_pages") = true,
         "a uint8 buffer aligned to 2 MB, in 2 MB pages where huge_pages (a hint to the kernel)");
   // module_local: two builds of these kernels in one process (a benchmark holding an older one) must not clash over
@@ -62,6 +63,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("paired", &Projection::paired,
                              "int8 in blocks of 128 whose four weights per 16-bit sum of the AVX2 tiles add up to at "
                              "most PAIR_BUDGET in magnitude (those tiles then take two lines a step)")
+      .def_property_readonly("narrow", &Projection::narrow,
+                             "int8 per block of 32 whose weights lie within -NARROW_MAX..NARROW_MAX (a GGUF's Q5_0): "
+                             "the AVX2 kernels then add a block's products in 16 bits before widening them")
       .def_property_readonly("format", [](const Projection& p) {
         switch (p.format()) {
           case swa::Format::kInt8: return "int8";

@@ -26,7 +26,9 @@
 //   sets the block's scale alone; the copy holds W * s and the activations are multiplied by 1 / s as they are
 //   quantised (`QuantizedRows::quantize`), s chosen from the activations' and the weight's column maxima. Paired
 //   (`paired`, found here from the values): every four weights of a row that one 16-bit sum of the AVX2 tiles holds
-//   add up to at most kPairBudget, and those tiles then take two lines a step (quant_avx2.h, `add_dot_paired`).
+//   add up to at most kPairBudget, and those tiles then take two lines a step (quant_avx2.h, `lines_in_16_bits`).
+// - Narrow (`narrow`, a kInt8Block copy whose weights lie within -kNarrowMax..kNarrowMax, as a GGUF's Q5_0 values):
+//   the AVX2 kernels add a whole block's pair sums in 16 bits before widening them.
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 
@@ -160,7 +162,9 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
   const auto inexact = scales.to(at::kHalf).to(at::kFloat).ne(scales);
   TORCH_CHECK(!inexact.any().item<bool>(), "per-block scales must be float16 values (a GGUF's Q8_0 or Q5_0 scales), got ",
               scales.masked_select(inexact)[0].item<float>());
-  return Projection(pack_int8(w), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
+  Projection p(pack_int8(w), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
+  p.narrow_ = w.to(at::kInt).abs().le(kNarrowMax).all().item<bool>();
+  return p;
 }
 
 Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales, const std::optional<at::Tensor>& smooth) {

@@ -17,6 +17,9 @@ constexpr int64_t kWideBlock = 128;  // the same for the wide format (kInt8Wide)
 // tiles holds (values 8i + {0, 1, 4, 5} and 8i + {2, 3, 6, 7}) add up to at most this in magnitude, so that against
 // activations within -127..127 the sum stays within 32767 (= 258 * 127 + 1).
 constexpr int64_t kPairBudget = 258;
+// A narrow kInt8Block copy (`Projection::narrow`): every weight within -16..16 (a GGUF's Q5_0 values, -16..15), so that
+// a block's 32 products a row, 16 to a 16-bit sum of the AVX2 kernels, stay within 32767 (16 * 127 * 16 = 32512).
+constexpr int64_t kNarrowMax = 16;
 constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
 // Packed bytes from which a weight in 2 MB pages streams as one long read-ahead stream a thread on Zen 4 (an LM head:
 // 84-170 MB; a layer's projections, at most 2.8 MB, keep four streams; quant_kernels.cpp, `vnni_vendor`).
@@ -114,8 +117,11 @@ class Projection {
   int64_t place(at::Tensor& arena, int64_t offset, bool huge_pages);
   bool huge_pages() const { return huge_pages_; }
   // kInt8Wide within `kPairBudget`: the AVX2 tiles then add two lines' pair sums in 16 bits before widening them
-  // (quant_avx2.h, `add_dot_paired`); AVX512-VNNI has no use for it.
+  // (quant_avx2.h, `lines_in_16_bits`); AVX512-VNNI has no use for it.
   bool paired() const { return paired_; }
+  // kInt8Block within `kNarrowMax`: the AVX2 kernels then add a block's pair sums in 16 bits before one widening
+  // (quant_avx2.h, `lines_in_16_bits`).
+  bool narrow() const { return narrow_; }
   // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)
   bool smoothed() const { return column_mul_.defined() || (tiles_ != nullptr && tiles_->smoothed()); }
 
@@ -129,6 +135,7 @@ class Projection {
   Format format_;
   bool huge_pages_ = false;  // placed in an arena of 2 MB pages (`place`)
   bool paired_ = false;  // kInt8Wide within kPairBudget (`paired`)
+  bool narrow_ = false;  // kInt8Block within kNarrowMax (`narrow`)
   std::shared_ptr<const Projection> tiles_;
 };
 

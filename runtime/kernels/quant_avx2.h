@@ -67,44 +67,73 @@ inline void int4_scales8(const float* scales, int64_t at, int h, __m256& step, _
 }
 
 // The weights of one half-line, ready for every row's dot products: int8, the magnitudes and the values whose signs
-// the activations take; int4, the low and high nibbles.
+// the activations take; int4, the low and high nibbles; a narrow kInt8Block copy's (`Deep`), w + 16 (0..32), the
+// unsigned operand against the activations as they are (no sign to take: `add_block` takes 16 times the
+// activations' block sum back out).
 struct HalfLine {
   __m256i a, b;
 };
 
-template <Format F>
+template <Format F, bool Deep>
+constexpr bool offset_by_16() { return F == Format::kInt8Block && Deep; }
+
+template <Format F, bool Deep>
 inline HalfLine half_line(const uint8_t* at) {
   const __m256i line = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
   if constexpr (is_int4(F)) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     return {_mm256_and_si256(line, nibble), _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble)};
+  } else if constexpr (offset_by_16<F, Deep>()) {
+    return {_mm256_sub_epi8(line, _mm256_set1_epi8(128 - kNarrowMax)), line};  // stored w + 128, less 112
   } else {
     const __m256i w = _mm256_xor_si256(line, _mm256_set1_epi8(static_cast<char>(0x80)));
     return {_mm256_abs_epi8(w), w};
   }
 }
 
-// dot + the 8 rows' four-value (int8) or eight-value (int4) dot products of a half-line with a row's activations at
-// xb (its 4 or 8 values of this line).
-template <Format F>
-inline __m256i add_dot(__m256i dot, const HalfLine& w, const int8_t* xb) {
-  const __m256i ones = _mm256_set1_epi16(1);
+// The 8 rows' 16-bit pair sums of a half-line against a row's activations at xb (its 4 or 8 values of this line), not
+// yet widened: int8, two products of at most 128 * 127 a lane (a narrow copy's, 32 * 127); int4, four of 15 * 127.
+template <Format F, bool Deep>
+inline __m256i pair_sums(const HalfLine& w, const int8_t* xb) {
   if constexpr (is_int4(F)) {
-    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w.a, broadcast_quad8(xb)),
-                                           _mm256_maddubs_epi16(w.b, broadcast_quad8(xb + 4)));
-    return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, ones));
+    return _mm256_add_epi16(_mm256_maddubs_epi16(w.a, broadcast_quad8(xb)),
+                            _mm256_maddubs_epi16(w.b, broadcast_quad8(xb + 4)));
+  } else if constexpr (offset_by_16<F, Deep>()) {
+    return _mm256_maddubs_epi16(w.a, broadcast_quad8(xb));
   } else {
-    const __m256i signed_x = _mm256_sign_epi8(broadcast_quad8(xb), w.b);
-    return _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, signed_x), ones));
+    return _mm256_maddubs_epi16(w.a, _mm256_sign_epi8(broadcast_quad8(xb), w.b));
   }
 }
 
-// acc + a block's integer sums scaled: by the activations' scale (kInt8, whose row scale comes at the end), times the
-// weights' block scales (kInt8Block, kInt8Wide), or step times that plus offset times the activations' sum (int4).
+// dot + pairs (16-bit pair sums) widened to the 8 rows' 32-bit sums: one `vpmaddwd` by ones.
+inline __m256i widen_into(__m256i dot, __m256i pairs) {
+  return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+
+// Half-lines whose pair sums add up in 16 bits before one `vpmaddwd` widens them: on Zen 1 every integer multiply
+// issues on one pipe, so each widening saved is a multiply saved. `Deep` selects a format's deeper sums where its
+// copy allows them. The sums stay within 32767 against activations within -127..127:
+// - int4 (0..15), always: a block's 4 lines, 16 products of at most 15 * 127 a lane (30480);
+// - a narrow kInt8Block copy (`Projection::narrow`, weights within -16..16, a GGUF's Q5_0), as w + 16 (0..32): 4
+//   lines, 8 products of at most 32 * 127 (32512);
+// - a paired kInt8Wide copy (`Projection::paired`): 2 lines, the four weights behind each lane within kPairBudget;
+// - else 1.
 template <Format F>
+constexpr int64_t lines_in_16_bits(bool deep) {
+  if constexpr (is_int4(F)) return block_lines(F);
+  else if constexpr (F == Format::kInt8Block) return deep ? 4 : 1;
+  else if constexpr (F == Format::kInt8Wide) return deep ? 2 : 1;
+  else return 1;
+}
+
+// acc + a block's integer sums (a narrow copy's less 16 times the activations' integer sum `xqsum`) scaled: by the
+// activations' scale (kInt8, whose row scale comes at the end), times the weights' block scales (kInt8Block,
+// kInt8Wide), or step times that plus offset times the activations' sum (int4).
+template <Format F, bool Deep>
 inline __m256 add_block(__m256 acc, __m256i dot, const float* scales, int64_t group, int64_t blocks, int64_t b, int h,
-                        float xscale, float xsum) {
+                        float xscale, float xsum, int32_t xqsum) {
   const __m256 sx = _mm256_set1_ps(xscale);
+  if constexpr (offset_by_16<F, Deep>()) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(kNarrowMax * xqsum));
   if constexpr (F == Format::kInt8) {
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sx, acc);
   } else if constexpr (F == Format::kInt8Block || F == Format::kInt8Wide) {
@@ -126,12 +155,15 @@ inline void store_half(T* y, const float* scales, int64_t group, int h, __m256 o
 }
 
 // Groups g0..g1 of 16 columns, or with `list` the groups list[g0..g1], G groups in lockstep (G separate streams of
-// weights), each as H halves at once: H = 2 both halves of each line together, H = 1 one half then the other.
-template <Format F, typename T, int M, int G, int H>
+// weights), each as H halves at once: H = 2 both halves of each line together, H = 1 one half then the other; `Deep`,
+// as `lines_in_16_bits`.
+template <Format F, typename T, int M, int G, int H, bool Deep>
 void avx2_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T* y, int64_t N, int64_t g0, int64_t g1,
                const int64_t* list) {
   constexpr int64_t kValues = block_values(F), kLines = block_lines(F);
   constexpr int64_t kStep = is_int4(F) ? 8 : 4;  // activation values a line takes per row
+  constexpr int64_t kDepth = lines_in_16_bits<F>(Deep);
+  static_assert(kLines % kDepth == 0, "whole blocks");
   const int64_t K = x.K, blocks = K / kValues;
   const int64_t group_bytes = blocks * kLines * 64;
   const int8_t* xq = x.q.data();
@@ -153,20 +185,30 @@ void avx2_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
         for (int st = 0; st < live; ++st)
           for (int h = 0; h < H; ++h)
             for (int m = 0; m < M; ++m) dot[st][h][m] = _mm256_setzero_si256();
-        for (int64_t j = 0; j < kLines; ++j) {
-          for (int st = 0; st < live; ++st) {
-            for (int h = 0; h < H; ++h) {
-              const HalfLine line = half_line<F>(w + gs[st] * group_bytes + (b * kLines + j) * 64 + (h0 + h) * 32);
-              for (int m = 0; m < M; ++m)
-                dot[st][h][m] = add_dot<F>(dot[st][h][m], line, xq + m * K + b * kValues + j * kStep);
+        for (int64_t j = 0; j < kLines; j += kDepth) {
+          __m256i pairs[G][H][M];
+          for (int64_t d = 0; d < kDepth; ++d) {
+            for (int st = 0; st < live; ++st) {
+              for (int h = 0; h < H; ++h) {
+                const HalfLine line =
+                    half_line<F, Deep>(w + gs[st] * group_bytes + (b * kLines + j + d) * 64 + (h0 + h) * 32);
+                for (int m = 0; m < M; ++m) {
+                  const __m256i p = pair_sums<F, Deep>(line, xq + m * K + b * kValues + (j + d) * kStep);
+                  pairs[st][h][m] = d == 0 ? p : _mm256_add_epi16(pairs[st][h][m], p);
+                }
+              }
             }
           }
+          for (int st = 0; st < live; ++st)
+            for (int h = 0; h < H; ++h)
+              for (int m = 0; m < M; ++m) dot[st][h][m] = widen_into(dot[st][h][m], pairs[st][h][m]);
         }
         for (int st = 0; st < live; ++st)
           for (int h = 0; h < H; ++h)
             for (int m = 0; m < M; ++m)
-              acc[st][h][m] = add_block<F>(acc[st][h][m], dot[st][h][m], scales, gs[st], blocks, b, h0 + h,
-                                           x.scale[m * blocks + b], x.sum[m * blocks + b]);
+              acc[st][h][m] = add_block<F, Deep>(acc[st][h][m], dot[st][h][m], scales, gs[st], blocks, b, h0 + h,
+                                                 x.scale[m * blocks + b], x.sum[m * blocks + b],
+                                                 x.qsum[m * blocks + b]);
       }
       for (int st = 0; st < live; ++st)
         for (int h = 0; h < H; ++h)
@@ -175,41 +217,39 @@ void avx2_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
   }
 }
 
-// The row count as a template argument, with the streams and halves the 16 registers allow for it.
-template <Format F, typename T>
-void stream_rows(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
-                 int64_t g1, const int64_t* list = nullptr, bool = false) {
+template <Format F, typename T, bool Deep>
+void stream_rows_at(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
+                    int64_t g1, const int64_t* list) {
   switch (M) {
-    case 1: avx2_rows<F, T, 1, 2, 2>(w, sc, x, y, N, g0, g1, list); break;
-    case 2: avx2_rows<F, T, 2, 1, 2>(w, sc, x, y, N, g0, g1, list); break;
-    case 3: avx2_rows<F, T, 3, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 4: avx2_rows<F, T, 4, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 5: avx2_rows<F, T, 5, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 6: avx2_rows<F, T, 6, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
-    case 7: avx2_rows<F, T, 7, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
-    default: avx2_rows<F, T, 8, 1, 1>(w, sc, x, y, N, g0, g1, list); break;
+    case 1: avx2_rows<F, T, 1, 2, 2, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 2: avx2_rows<F, T, 2, 1, 2, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 3: avx2_rows<F, T, 3, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 4: avx2_rows<F, T, 4, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 5: avx2_rows<F, T, 5, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 6: avx2_rows<F, T, 6, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    case 7: avx2_rows<F, T, 7, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
+    default: avx2_rows<F, T, 8, 1, 1, Deep>(w, sc, x, y, N, g0, g1, list); break;
   }
 }
 
-// dot + the dot products of two consecutive half-lines of a paired kInt8Wide copy (`Projection::paired`): the four
-// weights behind each 16-bit lane of the two lines' `vpmaddubsw`s add up to at most 258 in magnitude, so against
-// activations within -127..127 their sum fits 16 bits, and one `vpmaddwd` widens both lines. On Zen 1 every integer
-// multiply issues on one pipe, and this is 3 multiplies per 64 values instead of 4: a register-only loop ran 1.35x
-// (19.6 against 26.5 G multiply-adds a second a core, a 2.0 GHz Zen 1 EPYC).
-inline __m256i add_dot_paired(__m256i dot, const HalfLine& w0, const HalfLine& w1, const int8_t* xb) {
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(w0.a, _mm256_sign_epi8(broadcast_quad8(xb), w0.b)),
-                                         _mm256_maddubs_epi16(w1.a, _mm256_sign_epi8(broadcast_quad8(xb + 4), w1.b)));
-  return _mm256_add_epi32(dot, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+// The row count as a template argument, with the streams and halves the 16 registers allow for it. `narrow`: a
+// kInt8Block copy's weights lie within -16..16 (`Projection::narrow`, `lines_in_16_bits`).
+template <Format F, typename T>
+void stream_rows(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N, int64_t g0,
+                 int64_t g1, const int64_t* list = nullptr, bool = false, bool narrow = false) {
+  if (is_int4(F) || (F == Format::kInt8Block && narrow)) stream_rows_at<F, T, true>(M, w, sc, x, y, N, g0, g1, list);
+  else stream_rows_at<F, T, false>(M, w, sc, x, y, N, g0, g1, list);
 }
 
 // Rows m0..m1 against groups g0..g1 in tiles of up to 4 rows by one half-group, whole K: a half-group's weights (at
-// most 32 kB for K = 2048 in int8) stay in L1 while the rows go by. `Paired`: a paired copy, two lines a step
-// (`add_dot_paired`).
-template <Format F, typename T, int MR, bool Paired = false>
+// most 32 kB for K = 2048 in int8) stay in L1 while the rows go by; `Deep`, as `lines_in_16_bits`.
+template <Format F, typename T, int MR, bool Deep>
 void avx2_tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t m0, int64_t g, int h, T* y,
                int64_t N) {
   constexpr int64_t kValues = block_values(F), kLines = block_lines(F);
   constexpr int64_t kStep = is_int4(F) ? 8 : 4;
+  constexpr int64_t kDepth = lines_in_16_bits<F>(Deep);
+  static_assert(kLines % kDepth == 0, "whole blocks");
   const int64_t K = x.K, blocks = K / kValues;
   const uint8_t* wp = w + g * blocks * kLines * 64 + h * 32;
   const int8_t* xp = x.q.data() + m0 * K;
@@ -218,37 +258,44 @@ void avx2_tile(const uint8_t* w, const float* scales, const QuantizedRows& x, in
   for (int64_t b = 0; b < blocks; ++b, wp += kLines * 64, xp += kValues) {
     __m256i dot[MR];
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
-    if constexpr (Paired) {
-      static_assert(!is_int4(F) && kLines % 2 == 0, "two int8 lines a step");
-#pragma GCC unroll 4
-      for (int64_t j = 0; j < kLines; j += 2) {
-        const HalfLine line0 = half_line<F>(wp + j * 64), line1 = half_line<F>(wp + (j + 1) * 64);
-        for (int m = 0; m < MR; ++m) dot[m] = add_dot_paired(dot[m], line0, line1, xp + m * K + j * kStep);
-      }
-    } else {
 #pragma GCC unroll 8
-      for (int64_t j = 0; j < kLines; ++j) {
-        const HalfLine line = half_line<F>(wp + j * 64);
-        for (int m = 0; m < MR; ++m) dot[m] = add_dot<F>(dot[m], line, xp + m * K + j * kStep);
+    for (int64_t j = 0; j < kLines; j += kDepth) {
+      __m256i pairs[MR];
+      for (int64_t d = 0; d < kDepth; ++d) {
+        const HalfLine line = half_line<F, Deep>(wp + (j + d) * 64);
+        for (int m = 0; m < MR; ++m) {
+          const __m256i p = pair_sums<F, Deep>(line, xp + m * K + (j + d) * kStep);
+          pairs[m] = d == 0 ? p : _mm256_add_epi16(pairs[m], p);
+        }
       }
+      for (int m = 0; m < MR; ++m) dot[m] = widen_into(dot[m], pairs[m]);
     }
     for (int m = 0; m < MR; ++m)
-      acc[m] = add_block<F>(acc[m], dot[m], scales, g, blocks, b, h, x.scale[(m0 + m) * blocks + b],
-                            x.sum[(m0 + m) * blocks + b]);
+      acc[m] = add_block<F, Deep>(acc[m], dot[m], scales, g, blocks, b, h, x.scale[(m0 + m) * blocks + b],
+                                  x.sum[(m0 + m) * blocks + b], x.qsum[(m0 + m) * blocks + b]);
   }
   for (int m = 0; m < MR; ++m) store_half<F>(y + (m0 + m) * N, scales, g, h, acc[m]);
 }
 
-template <Format F, typename T, bool Paired = false>
-void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
-           T* y, int64_t N) {
+template <Format F, typename T, bool Deep>
+void tiles_at(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0,
+              int64_t g1, T* y, int64_t N) {
   for (int64_t g = g0; g < g1; ++g) {
     for (int h = 0; h < 2; ++h) {
       int64_t m = m0;
-      for (; m + 4 <= m1; m += 4) avx2_tile<F, T, 4, Paired>(w, sc, x, m, g, h, y, N);
-      for (; m < m1; ++m) avx2_tile<F, T, 1, Paired>(w, sc, x, m, g, h, y, N);
+      for (; m + 4 <= m1; m += 4) avx2_tile<F, T, 4, Deep>(w, sc, x, m, g, h, y, N);
+      for (; m < m1; ++m) avx2_tile<F, T, 1, Deep>(w, sc, x, m, g, h, y, N);
     }
   }
+}
+
+// Rows m0..m1 against groups g0..g1. `narrow_or_paired`: a narrow kInt8Block or a paired kInt8Wide copy (`Deep`,
+// `lines_in_16_bits`).
+template <Format F, typename T>
+void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
+           T* y, int64_t N, bool narrow_or_paired = false) {
+  if (is_int4(F) || narrow_or_paired) tiles_at<F, T, true>(w, sc, x, m0, m1, g0, g1, y, N);
+  else tiles_at<F, T, false>(w, sc, x, m0, m1, g0, g1, y, N);
 }
 
 // The largest of groups g0..g1's values (16 a group) of a row of outputs.

@@ -198,10 +198,11 @@ void vnni_vendor(const uint8_t* w, const float* sc, const QuantizedRows& x, T* y
   else vnni_rows<F, T, M, (M == 1 ? 1 : S > 2 ? 2 : S), true>(w, sc, x, y, N, g0, g1, list);
 }
 
-// The row count as a template argument, with the streams the registers allow for it.
+// The row count as a template argument, with the streams the registers allow for it. (The last argument is the AVX2
+// kernels'.)
 template <Format F, typename T>
 void stream_rows(int64_t M, const uint8_t* w, const float* sc, const QuantizedRows& x, T* y, int64_t N,
-                   int64_t g0, int64_t g1, const int64_t* list = nullptr, bool long_stream = false) {
+                   int64_t g0, int64_t g1, const int64_t* list = nullptr, bool long_stream = false, bool = false) {
   switch (M) {
     case 1: vnni_vendor<F, T, 1, 4>(w, sc, x, y, N, g0, g1, list, long_stream); break;
     case 2: vnni_vendor<F, T, 2, 4>(w, sc, x, y, N, g0, g1, list, long_stream); break;
@@ -303,10 +304,11 @@ void tile(const uint8_t* w, const float* scales, const QuantizedRows& x, int64_t
 // from memory (an LM head at 9 or 16 rows, 168 MB) that hides the reads behind the work. On a 2-core Zen 4 EPYC, all
 // fetched by the first tile: 12-14% faster than none; shared among the tiles: a further 10% at 9 and 16 rows, 4.5% at
 // 32 (likely because the first tile alone issued more fetches than a core keeps in flight). Prefill's layer weights,
-// read from L3: no faster either way; into L1 10% slower, six groups ahead no better.
+// read from L3: no faster either way; into L1 10% slower, six groups ahead no better. (The last argument is the AVX2
+// kernels': `vpdpbusd` widens as it multiplies.)
 template <Format F, typename T>
 void tiles(const uint8_t* w, const float* sc, const QuantizedRows& x, int64_t m0, int64_t m1, int64_t g0, int64_t g1,
-           T* y, int64_t N) {
+           T* y, int64_t N, bool = false) {
   const int64_t group_bytes = x.K / block_values(F) * block_lines(F) * 64;
   for (int64_t g = g0; g < g1; g += 3) {
     const int64_t ng = std::min<int64_t>(3, g1 - g);
@@ -359,20 +361,13 @@ void Projection::run_tiled(const QuantizedRows& x, T* y) const {
       const int64_t rb = i / chunks, c = i % chunks;
       const int64_t m0 = rb * kRowBlock, m1 = std::min(x.M, m0 + kRowBlock);
       const int64_t g0 = c * kGroupChunk, g1 = std::min(groups, g0 + kGroupChunk);
+      const bool deep = narrow_ || paired_;  // AVX2: a block's or two lines' pair sums in 16 bits (quant_avx2.h)
       switch (format_) {
-        case Format::kInt8: tiles<Format::kInt8>(w, sc, x, m0, m1, g0, g1, y, N_); break;
-        case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_); break;
-        case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_); break;
-        case Format::kInt4Half: tiles<Format::kInt4Half>(w, sc, x, m0, m1, g0, g1, y, N_); break;
-        case Format::kInt8Wide:
-#if defined(SWA_LOW_BIT_AVX2)
-          if (paired_) {
-            tiles<Format::kInt8Wide, T, true>(w, sc, x, m0, m1, g0, g1, y, N_);
-            break;
-          }
-#endif
-          tiles<Format::kInt8Wide>(w, sc, x, m0, m1, g0, g1, y, N_);
-          break;
+        case Format::kInt8: tiles<Format::kInt8>(w, sc, x, m0, m1, g0, g1, y, N_, deep); break;
+        case Format::kInt8Block: tiles<Format::kInt8Block>(w, sc, x, m0, m1, g0, g1, y, N_, deep); break;
+        case Format::kInt4: tiles<Format::kInt4>(w, sc, x, m0, m1, g0, g1, y, N_, deep); break;
+        case Format::kInt4Half: tiles<Format::kInt4Half>(w, sc, x, m0, m1, g0, g1, y, N_, deep); break;
+        case Format::kInt8Wide: tiles<Format::kInt8Wide>(w, sc, x, m0, m1, g0, g1, y, N_, deep); break;
       }
     }
   });
@@ -387,7 +382,7 @@ void Projection::run(const QuantizedRows& x, T* y) const {
   const bool long_stream = huge_pages_ && packed_.numel() >= kLongStream;
   at::parallel_for(0, N_ / 16, 8, [&](int64_t g0, int64_t g1) {
     auto rows = [&](auto format) {
-      stream_rows<decltype(format)::value>(x.M, w, sc, x, y, N_, g0, g1, nullptr, long_stream);
+      stream_rows<decltype(format)::value>(x.M, w, sc, x, y, N_, g0, g1, nullptr, long_stream, narrow_);
     };
     switch (format_) {
       case Format::kInt8: rows(std::integral_constant<Format, Format::kInt8>{}); break;
@@ -439,7 +434,8 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());
   at::parallel_for(0, static_cast<int64_t>(chosen.size()), 8, [&](int64_t i0, int64_t i1) {
-    if (format_ == Format::kInt8Block) stream_rows<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data());
+    if (format_ == Format::kInt8Block)
+      stream_rows<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data(), false, narrow_);
     else if (format_ == Format::kInt8Wide) stream_rows<Format::kInt8Wide>(M, w, sc, x, y, N, i0, i1, chosen.data());
     else stream_rows<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
   });

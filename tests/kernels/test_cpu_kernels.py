@@ -782,6 +782,51 @@ def test_a_paired_copy_at_its_budget_sums_exactly(low_bit, rows):
         assert out[0, 0].item() == pytest.approx(float(q[0].abs().sum()) * 1e-3, rel=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles
+def test_a_narrow_block_copy_at_its_bound_sums_exactly(low_bit, rows):
+    """Weights of magnitude NARROW_MAX (16) against activations at +-127 whose signs match (row 0): the AVX2 kernels
+    add a block's 16 products a lane in 16 bits, 16 * 16 * 127 = 32512, below where 16 bits wrap. The output is the
+    exact blockwise reference; one weight at 17 and the copy is not narrow (and still exact, a line a widening)."""
+    N, Kd = 32, 256
+    assert low_bit.NARROW_MAX == 16
+    gen = torch.Generator().manual_seed(rows)
+    signs = torch.where(torch.rand(N, Kd, generator=gen) < 0.5, -1, 1)
+    scales = torch.full((N, Kd // 32), 2.0 ** -10)  # a float16 value, as a GGUF's
+    x = torch.where(torch.rand(rows, Kd, generator=gen) < 0.5, -1.0, 1.0)
+    for top, narrow in ((16, True), (17, False)):
+        q = (16 * signs).to(torch.int8)
+        q[5, 77] = top * signs[5, 77]
+        x[0] = signs[0].float()  # every product of row 0 with output 0 at +127 * 16
+        weight = low_bit.Projection.int8(q, scales)
+        assert weight.narrow == narrow
+        xq, xs = _quantised_blocks(x)
+        dots = torch.einsum("mbk,nbk->mnb", xq.double(), q.view(N, -1, 32).double())
+        expected = (dots * xs.double().view(rows, 1, -1) * scales.double()[None]).sum(-1)
+        out = weight.matmul(x)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+        assert out[0, 0].item() == pytest.approx(16 * Kd * 2.0 ** -10, rel=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles
+def test_int4_extremes_sum_a_block_in_16_bits_exactly(low_bit, rows):
+    """Every 4-bit value at 15 against activations at +-127, the signs constant over blocks: the AVX2 kernels add a
+    block's 16 products a lane in 16 bits before widening, 16 * 15 * 127 = 30480 at most. Exact against the
+    blockwise reference (the offsets' part included)."""
+    N, Kd = 32, 256
+    q = torch.full((N, Kd), 15, dtype=torch.int32)
+    step = torch.full((N, Kd // 32), 2.0 ** -8)
+    low = torch.full((N, Kd // 32), -2.0 ** -5)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.where(torch.rand(rows, Kd // 32, 1, generator=gen) < 0.5, -1.0, 1.0).expand(rows, Kd // 32, 32)
+    x = x.reshape(rows, Kd).contiguous()
+    for half_scales in (False, True):
+        out = low_bit.Projection.int4(q, step, low, half_scales=half_scales).matmul(x)
+        expected = _blockwise_int4_reference(x, q, step, low)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+        dense = (low + 15 * step).repeat_interleave(32, 1)
+        torch.testing.assert_close(out.double(), x.double() @ dense.double().T, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 5, 9])  # streamed and in tiles
 def test_int8_extremes_neither_saturate_nor_flip_a_sign(low_bit, rows):
     """Weights at -128 and 127 against activations at +-127 in every position: the largest four-value sums either
