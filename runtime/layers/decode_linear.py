@@ -29,7 +29,9 @@ smoothed, 0.0063 not, 0.0046 on the GGUF's own blocks (docs/performance.md). `--
 budget (`tile_pair_budget`): each four weights whose products one 16-bit sum of the AVX2 tiles holds add up to at
 most 258 in magnitude, so the tiles add two lines before widening, and prefill's projections ran 1.15-1.3x on a
 Zen 1 EPYC, its KL from float32 unchanged (0.0032 against 0.0033 on the fixed text; weights within +-64 instead
-doubled it).
+doubled it). Also on AVX2, int4 copies and int8 ones of a GGUF's Q5_0 values (`narrow`) add a whole
+block's products in 16 bits, faster than any tiles' copy there: they keep their own blocks for every row count
+(`own_blocks_faster`).
 
 On the 2-core Xeon with AMX of this work (2 threads, quiet): a 4096 x 640 weight at one row took 255 against
 355-365 us prepacked bfloat16 in int8, 100 against 329 us in int4 (a 4-bit weight); int8 stays ahead up to 4
@@ -88,7 +90,7 @@ def quantize_per_block(weight: torch.Tensor, block: int, pair_budget: int | None
 def pair_quads(magnitudes: torch.Tensor) -> torch.Tensor:
     """(rows, cols) -> (rows, cols / 4): the sums of each row's values 8i + {0, 1, 4, 5} and 8i + {2, 3, 6, 7}, the
     four whose products one 16-bit lane of the AVX2 tiles adds (two lines of four values, pairs summed by
-    `vpmaddubsw`: quant_avx2.h, `add_dot_paired`)."""
+    `vpmaddubsw`: quant_avx2.h, `lines_in_16_bits`)."""
     rows, cols = magnitudes.shape
     return magnitudes.reshape(rows, cols // 8, 2, 2, 2).sum(dim=(2, 4)).reshape(rows, cols // 4)
 
@@ -140,9 +142,20 @@ SMOOTH_FLOOR = 0.1
 
 def takes_tiles(copy: Int4Weight | Int8DecodeWeight | None, weight: torch.Tensor) -> bool:
     """Whether `copy` (made from `weight`) takes every row count on our kernels, and `weight`'s width divides into
-    blocks of 128: then its rows past eight can run on a tiles' copy (`make_tiles`)."""
+    blocks of 128: then its rows past eight can run on a tiles' copy (`make_tiles`), unless its own blocks are
+    faster there (`own_blocks_faster`)."""
     return (getattr(copy, "projection", None) is not None and copy.max_rows >= EVERY_ROW
-            and weight.shape[1] % WIDE_BLOCK == 0)
+            and weight.shape[1] % WIDE_BLOCK == 0 and not own_blocks_faster(copy.projection))
+
+
+def own_blocks_faster(projection) -> bool:
+    """On AVX2, an int4 copy, or an int8 one whose values lie within +-NARROW_MAX (`narrow`: a GGUF's Q5_0), adds a
+    whole block's products in 16 bits before one widening multiply (quant_avx2.h, `lines_in_16_bits`). At 600 rows
+    on a Zen 1 EPYC those ran 1.33x and 1.13x the tiles' paired copy (docs/performance.md), and they are the GGUF's
+    values exactly, so they keep their own blocks for every row count."""
+    module = kernels.load()
+    return (module is not None and module.low_bit_isa() == "avx2"
+            and (projection.format in ("int4", "int4-half") or projection.narrow))
 
 
 def smoothing(column_max: torch.Tensor, weight: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:

@@ -190,17 +190,34 @@ def _vnni_without_amx():
         pytest.skip("with AMX prefill keeps oneDNN's bfloat16 weight: no tiles' copies")
 
 
+def _relative_error(out: torch.Tensor, exact: torch.Tensor) -> float:
+    return float((out.float() - exact).norm() / exact.norm())
+
+
 @needs_kernel
-@pytest.mark.parametrize("kind", ["int4", "int8-block", "int8"])
+@pytest.mark.parametrize("kind", ["int4", "q5_0", "q8_0", "int8"])
 def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_of_128(kind):
+    """Except, on AVX2, a copy whose own blocks its tiles sum faster (int4, or Q5_0's values: `own_blocks_faster`):
+    that one keeps the GGUF's blocks for every row count and keeps no values for a tiles' copy."""
     _vnni_without_amx()
     torch.manual_seed(0)
-    w = {"int4": q4k_like(96, 256), "int8-block": symmetric_blocks_like(96, 256, -16),
-         "int8": torch.randn(96, 256) * 0.05}[kind]
+    w = {"int4": q4k_like(96, 256), "q5_0": symmetric_blocks_like(96, 256, -16),
+         "q8_0": symmetric_blocks_like(96, 256, 127), "int8": torch.randn(96, 256) * 0.05}[kind]
     layer = DecodeLinear(256, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
-    assert torch.equal(layer.tiles_source, w) and not layer.decode.projection.has_tiles  # kept until made
+    projection = layer.decode.projection
+    assert projection.format == {"int4": "int4", "int8": "int8"}.get(kind, "int8-block")
+    assert projection.narrow == (kind == "q5_0")
     x = torch.randn(40, 256).bfloat16()
+    own = kind in ("int4", "q5_0") and kernels.load().low_bit_isa() == "avx2"
+    assert decode_linear.own_blocks_faster(projection) == own
+    if own:
+        assert layer.tiles_source is None and not projection.has_tiles
+        with torch.no_grad():
+            assert torch.equal(layer(x), projection.matmul(x))  # every row count on the GGUF's own blocks
+            assert _relative_error(layer(x), x.float() @ w.T) < 0.02
+        return
+    assert torch.equal(layer.tiles_source, w) and not projection.has_tiles  # kept until made
     with torch.no_grad():
         gguf = layer(x)
         decode_linear.make_tiles(layer, None)
@@ -210,7 +227,7 @@ def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_o
         assert tiles.paired or decode_linear.tile_pair_budget() is None  # on AVX2: two lines a step
         assert torch.equal(layer(x), tiles.matmul(x)) and not torch.equal(layer(x), gguf)  # past eight rows
         assert torch.equal(layer(x[:8]), gguf[:8])  # up to eight: the GGUF's own blocks
-        torch.testing.assert_close(layer(x).float(), x.float() @ w.T, rtol=0.05, atol=0.05)
+        assert _relative_error(layer(x), x.float() @ w.T) < 0.02
     with pytest.raises(ValueError, match="kept no values"):
         decode_linear.make_tiles(layer, None)  # made already
     narrow = DecodeLinear(96, 32).to(torch.bfloat16)  # 96 values a row: no whole block of 128
