@@ -65,7 +65,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                              "most PAIR_BUDGET in magnitude (those tiles then take two lines a step)")
       .def_property_readonly("narrow", &Projection::narrow,
                              "int8 per block of 32 whose weights lie within -NARROW_MAX..NARROW_MAX (a GGUF's Q5_0): "
-                             "the AVX2 kernels then add a block's products in 16 bits before widening them")
+                             "the AVX2 kernels then add four lines' products in 16 bits before widening them")
       .def_property_readonly("format", [](const Projection& p) {
         switch (p.format()) {
           case swa::Format::kInt8: return "int8";

@@ -28,7 +28,7 @@
 //   (`paired`, found here from the values): every four weights of a row that one 16-bit sum of the AVX2 tiles holds
 //   add up to at most kPairBudget, and those tiles then take two lines a step (quant_avx2.h, `lines_in_16_bits`).
 // - Narrow (`narrow`, a kInt8Block copy whose weights lie within -kNarrowMax..kNarrowMax, as a GGUF's Q5_0 values):
-//   the AVX2 kernels add a whole block's pair sums in 16 bits before widening them.
+//   the AVX2 kernels add four lines' pair sums in 16 bits before widening them (quant_avx2.h, `lines_in_16_bits`).
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 

@@ -18,7 +18,8 @@ constexpr int64_t kWideBlock = 128;  // the same for the wide format (kInt8Wide)
 // activations within -127..127 the sum stays within 32767 (= 258 * 127 + 1).
 constexpr int64_t kPairBudget = 258;
 // A narrow kInt8Block copy (`Projection::narrow`): every weight within -16..16 (a GGUF's Q5_0 values, -16..15), so that
-// a block's 32 products a row, 16 to a 16-bit sum of the AVX2 kernels, stay within 32767 (16 * 127 * 16 = 32512).
+// the AVX2 kernels can take w + 16 (0..32) unsigned and add four lines' products, 8 to a 16-bit sum, within 32767
+// (8 * 32 * 127 = 32512).
 constexpr int64_t kNarrowMax = 16;
 constexpr int64_t kMaxRows = 8;  // rows the streaming kernel takes (it keeps a row's sums in registers)
 // Packed bytes from which a weight in 2 MB pages streams as one long read-ahead stream a thread on Zen 4 (an LM head:
@@ -119,7 +120,7 @@ class Projection {
   // kInt8Wide within `kPairBudget`: the AVX2 tiles then add two lines' pair sums in 16 bits before widening them
   // (quant_avx2.h, `lines_in_16_bits`); AVX512-VNNI has no use for it.
   bool paired() const { return paired_; }
-  // kInt8Block within `kNarrowMax`: the AVX2 kernels then add a block's pair sums in 16 bits before one widening
+  // kInt8Block within `kNarrowMax`: the AVX2 kernels then add four lines' pair sums in 16 bits before one widening
   // (quant_avx2.h, `lines_in_16_bits`).
   bool narrow() const { return narrow_; }
   // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)

@@ -9,8 +9,10 @@
 //   magnitude (0..128) is the unsigned operand and the activation takes w's sign (`vpsignb`; activations lie in
 //   -127..127, so negating one cannot overflow): at most 128 * 127 * 2 = 32512. Exact for every int8 weight, -128
 //   too, and the sums start at zero (no +128 to take out);
-// - int4 values (0..15) are unsigned already: 15 * 127 * 2 per pair, and the low and high nibbles' pairs added in
-//   16 bits before widening (at most 7620).
+// - int4 values (0..15) are unsigned already: 15 * 127 * 2 per pair, and a block's pairs, both nibbles', added in
+//   16 bits before widening (at most 30480);
+// - more lines are added in 16 bits before one widening where a copy's values allow it (`lines_in_16_bits`): a
+//   narrow kInt8Block copy as w + 16 against the activations as they are, a paired kInt8Wide copy two lines.
 // So the integer sums are the AVX-512 kernels' to the bit, and the float32 sums are built from them block by block in
 // the same order (the activations' quantisation, quant.cpp, sums a block's own values in another order there).
 //

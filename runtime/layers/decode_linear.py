@@ -29,9 +29,9 @@ smoothed, 0.0063 not, 0.0046 on the GGUF's own blocks (docs/performance.md). `--
 budget (`tile_pair_budget`): each four weights whose products one 16-bit sum of the AVX2 tiles holds add up to at
 most 258 in magnitude, so the tiles add two lines before widening, and prefill's projections ran 1.15-1.3x on a
 Zen 1 EPYC, its KL from float32 unchanged (0.0032 against 0.0033 on the fixed text; weights within +-64 instead
-doubled it). Also on AVX2, int4 copies and int8 ones of a GGUF's Q5_0 values (`narrow`) add a whole
-block's products in 16 bits, faster than any tiles' copy there: they keep their own blocks for every row count
-(`own_blocks_faster`).
+doubled it). Also on AVX2, int4 copies and int8 ones of a GGUF's Q5_0 values (`narrow`) add more products in
+16 bits before each widening than any tiles' copy there, and run faster: they keep their own blocks for every row
+count (`own_blocks_faster`).
 
 On the 2-core Xeon with AMX of this work (2 threads, quiet): a 4096 x 640 weight at one row took 255 against
 355-365 us prepacked bfloat16 in int8, 100 against 329 us in int4 (a 4-bit weight); int8 stays ahead up to 4
@@ -149,10 +149,11 @@ def takes_tiles(copy: Int4Weight | Int8DecodeWeight | None, weight: torch.Tensor
 
 
 def own_blocks_faster(projection) -> bool:
-    """On AVX2, an int4 copy, or an int8 one whose values lie within +-NARROW_MAX (`narrow`: a GGUF's Q5_0), adds a
-    whole block's products in 16 bits before one widening multiply (quant_avx2.h, `lines_in_16_bits`). At 600 rows
-    on a Zen 1 EPYC those ran 1.33x and 1.13x the tiles' paired copy (docs/performance.md), and they are the GGUF's
-    values exactly, so they keep their own blocks for every row count."""
+    """On AVX2, an int4 copy adds a block's products in 16 bits before one widening multiply, and an int8 one whose
+    values lie within +-NARROW_MAX (`narrow`: a GGUF's Q5_0) four lines' (quant_avx2.h, `lines_in_16_bits`). At 600
+    rows on a Zen 1 EPYC: int4 1.32-1.34x the tiles' paired copy; Q5_0 1.12-1.14x it summed eight lines with signs,
+    and 1.15-1.19x that as w + 16 over four (docs/performance.md). They are the GGUF's values exactly, so they keep
+    their own blocks for every row count."""
     module = kernels.load()
     return (module is not None and module.low_bit_isa() == "avx2"
             and (projection.format in ("int4", "int4-half") or projection.narrow))

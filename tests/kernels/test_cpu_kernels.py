@@ -784,19 +784,23 @@ def test_a_paired_copy_at_its_budget_sums_exactly(low_bit, rows):
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles
 def test_a_narrow_block_copy_at_its_bound_sums_exactly(low_bit, rows):
-    """Weights of magnitude NARROW_MAX (16) against activations at +-127 whose signs match (row 0): the AVX2 kernels
-    add a block's 16 products a lane in 16 bits, 16 * 16 * 127 = 32512, below where 16 bits wrap. The output is the
-    exact blockwise reference; one weight at 17 and the copy is not narrow (and still exact, a line a widening)."""
+    """Weights of magnitude NARROW_MAX (16), output 0's all at +16, against activations all at +127 (row 0) and all
+    at -127 (row 1): the AVX2 kernels take w + 16 (32) and add four lines' 8 products a lane in 16 bits, +-32512,
+    below where 16 bits wrap. The output is the exact blockwise reference; one weight at 17 and the copy is not
+    narrow (and still exact, a line a widening)."""
     N, Kd = 32, 256
     assert low_bit.NARROW_MAX == 16
     gen = torch.Generator().manual_seed(rows)
     signs = torch.where(torch.rand(N, Kd, generator=gen) < 0.5, -1, 1)
     scales = torch.full((N, Kd // 32), 2.0 ** -10)  # a float16 value, as a GGUF's
     x = torch.where(torch.rand(rows, Kd, generator=gen) < 0.5, -1.0, 1.0)
+    signs[0] = 1
+    x[0] = 1.0  # every product of row 0 with output 0 at +127 * 16 (as w + 16: 127 * 32)
+    if rows > 1:
+        x[1] = -1.0  # and of row 1 at -127 * 16
     for top, narrow in ((16, True), (17, False)):
         q = (16 * signs).to(torch.int8)
         q[5, 77] = top * signs[5, 77]
-        x[0] = signs[0].float()  # every product of row 0 with output 0 at +127 * 16
         weight = low_bit.Projection.int8(q, scales)
         assert weight.narrow == narrow
         xq, xs = _quantised_blocks(x)
@@ -805,6 +809,8 @@ def test_a_narrow_block_copy_at_its_bound_sums_exactly(low_bit, rows):
         out = weight.matmul(x)
         torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
         assert out[0, 0].item() == pytest.approx(16 * Kd * 2.0 ** -10, rel=1e-6)
+        if rows > 1:
+            assert out[1, 0].item() == pytest.approx(-16 * Kd * 2.0 ** -10, rel=1e-6)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles

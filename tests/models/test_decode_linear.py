@@ -230,9 +230,9 @@ def test_a_copy_for_every_row_count_runs_the_rows_past_eight_on_int8_in_blocks_o
         assert _relative_error(layer(x), x.float() @ w.T) < 0.02
     with pytest.raises(ValueError, match="kept no values"):
         decode_linear.make_tiles(layer, None)  # made already
-    narrow = DecodeLinear(96, 32).to(torch.bfloat16)  # 96 values a row: no whole block of 128
-    narrow.load_state_dict({"weight": torch.randn(32, 96) * 0.05})
-    assert narrow.decode.projection is not None and narrow.tiles_source is None
+    short = DecodeLinear(96, 32).to(torch.bfloat16)  # 96 values a row: no whole block of 128
+    short.load_state_dict({"weight": torch.randn(32, 96) * 0.05})
+    assert short.decode.projection is not None and short.tiles_source is None
 
 
 @needs_kernel
