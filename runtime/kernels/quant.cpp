@@ -243,11 +243,20 @@ void Projection::set_tiles(const Projection& tiles) {
   tiles_ = std::make_shared<const Projection>(tiles);
 }
 
+bool Projection::rows_in_tiles(int64_t rows) const {
+#if defined(SWA_LOW_BIT_AVX2)
+  return (narrow_ && rows >= 7) || (is_int4(format_) && rows >= 8);
+#else
+  (void)rows;
+  return false;
+#endif
+}
+
 template <typename T, typename Y>
 void Projection::apply(const T* x, int64_t rows, Y* y, QuantizedRows& xq) const {
   const Projection& p = rows > kMaxRows && tiles_ != nullptr ? *tiles_ : *this;
   xq.quantize(x, rows, K_, block_values(p.format_), p.column_mul());
-  if (rows <= kMaxRows) {
+  if (rows <= kMaxRows && !p.rows_in_tiles(rows)) {
     p.run(xq, y);
   } else {
     p.run_tiled(xq, y);

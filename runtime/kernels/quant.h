@@ -123,6 +123,12 @@ class Projection {
   // kInt8Block within `kNarrowMax`: the AVX2 kernels then add four lines' pair sums in 16 bits before one widening
   // (quant_avx2.h, `lines_in_16_bits`).
   bool narrow() const { return narrow_; }
+  // Whether `rows` (at most kMaxRows) run in tiles rather than the streaming kernel: on AVX2, a narrow copy from 7
+  // rows and an int4 one from 8. Their four lines' pair sums in 16 bits take a register a row beside each row's
+  // integer and float sums, so the streaming kernel's eight rows spill on AVX2's 16 registers; a tile holds 4 (a
+  // 2-core Zen 1 EPYC, docs/performance.md: tiles 1.10-1.34x the streaming kernel for narrow at 7-8 rows, 1.03-1.21x
+  // for int4 at 8, and 0.73-0.98x at 2-6 rows).
+  bool rows_in_tiles(int64_t rows) const;
   // whether it, or its tiles' copy, divides its activations by a smooth (`int8_wide`)
   bool smoothed() const { return column_mul_.defined() || (tiles_ != nullptr && tiles_->smoothed()); }
 

@@ -782,7 +782,7 @@ def test_a_paired_copy_at_its_budget_sums_exactly(low_bit, rows):
         assert out[0, 0].item() == pytest.approx(float(q[0].abs().sum()) * 1e-3, rel=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 8, 9, 38])  # streamed, and in tiles (on AVX2 from 7)
 def test_a_narrow_block_copy_at_its_bound_sums_exactly(low_bit, rows):
     """Weights of magnitude NARROW_MAX (16), output 0's all at +16, against activations all at +127 (row 0) and all
     at -127 (row 1): the AVX2 kernels take w + 16 (32) and add four lines' 8 products a lane in 16 bits, +-32512,
@@ -813,7 +813,7 @@ def test_a_narrow_block_copy_at_its_bound_sums_exactly(low_bit, rows):
             assert out[1, 0].item() == pytest.approx(-16 * Kd * 2.0 ** -10, rel=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 38])  # streamed and in tiles
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 9, 38])  # streamed, and in tiles (on AVX2 from 8)
 def test_int4_extremes_sum_a_block_in_16_bits_exactly(low_bit, rows):
     """Every 4-bit value at 15 against activations at +-127, the signs constant over blocks: the AVX2 kernels add a
     block's 16 products a lane in 16 bits before widening, 16 * 15 * 127 = 30480 at most. Exact against the
