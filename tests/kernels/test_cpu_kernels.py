@@ -722,21 +722,38 @@ def test_fused_layer_calls_refuse_shapes_that_do_not_chain(low_bit):
                        torch.ones(0, 16), 1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 300])
-def test_gelu_and_mul_is_torchs_two_operations(K, rows):
+@pytest.mark.parametrize("rows, width", [(1, 2048), (8, 2048), (300, 2048), (5, 59)])
+def test_gelu_and_mul_is_torchs_two_operations(K, rows, width):
     """The same bits wherever the product is not tiny; below 1e-2 the GELU's tail (where 1 + tanh cancels,
-    in torch's float32 as in ours) may differ by a few millionths."""
+    in torch's float32 as in ours) may differ by a few millionths. A width of 59 runs every loop of the vector
+    code: 32 values at a time, then 8, then one."""
     torch.manual_seed(rows)
-    gate_up = (3 * torch.randn(rows, 2 * 2048)).bfloat16()
+    gate_up = (3 * torch.randn(rows, 2 * width)).bfloat16()
     with torch.no_grad():
-        expected = F.gelu(gate_up[:, :2048], approximate="tanh") * gate_up[:, 2048:]
+        expected = F.gelu(gate_up[:, :width], approximate="tanh") * gate_up[:, width:]
     out = K.gelu_and_mul(gate_up)
-    assert out.shape == (rows, 2048) and out.dtype == torch.bfloat16
+    assert out.shape == (rows, width) and out.dtype == torch.bfloat16
     clear = expected.float().abs() > 1e-2
     assert torch.equal(out[clear], expected[clear])
     assert (out.float() - expected.float()).abs().max() < 1e-5
     odd = torch.randn(3, 2 * 20)  # a width the vector code does not divide: the plain loop, float32
     torch.testing.assert_close(K.gelu_and_mul(odd), F.gelu(odd[:, :20], approximate="tanh") * odd[:, 20:])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gelu_and_mul_keeps_torchs_nan_and_infinities(K, dtype):
+    """NaN in, NaN out; GELU(+inf) = +inf and GELU(-inf) = NaN (-inf * 0), as torch gives, in every loop; +-1e30,
+    whose cube overflows float32 inside the GELU, come out as torch's."""
+    gate_up = torch.ones(2, 2 * 59)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30, -1e30])
+    gate_up[:, [0, 9, 31, 35, 58]] = special  # the 32-wide loop, the 8-wide one and the last value alone
+    gate_up[1, 59 + 3] = float("nan")  # an `up` value
+    gate_up = gate_up.to(dtype)
+    with torch.no_grad():
+        expected = F.gelu(gate_up[:, :59], approximate="tanh") * gate_up[:, 59:]
+    out = K.gelu_and_mul(gate_up)
+    assert expected.isnan().sum() == 5 and expected.isinf().sum() == 2  # the cases above are all exercised
+    torch.testing.assert_close(out, expected, equal_nan=True)
 
 
 def test_decode_attention_with_a_scaling_bfloat16_cannot_hold(K):
