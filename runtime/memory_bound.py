@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from runtime import kernels
-from runtime.layers.head_screen import SCREEN_MAX_ROWS
+from runtime.layers.head_screen import screen_max_rows
 from runtime.layers.linear import Embedding, Linear
 from runtime.layers.quantized import Int8Embedding, _Int8Rows
 
@@ -40,7 +40,7 @@ def _head_bytes(module: nn.Module, rows: int) -> int:
     copy = getattr(module, "int8", None)
     if copy is not None and rows <= copy.max_rows:
         screen = getattr(copy, "screen", None)
-        if screen is not None and rows <= SCREEN_MAX_ROWS:  # its 4-bit copy (the few groups refined in 8 bits aside)
+        if screen is not None and rows <= screen_max_rows():  # its 4-bit copy (the groups refined in 8 bits aside)
             return screen.nbytes()
         if copy.kernel_weight is not None:  # our kernel's layout: its own count (per-block scales, if any)
             return copy.kernel_weight.nbytes()

@@ -114,6 +114,21 @@ void QuantizedRows::quantize(const T* x, int64_t rows, int64_t cols, int64_t blo
   }
 }
 
+QuantizedRows QuantizedRows::rows(const std::vector<int64_t>& which) const {
+  QuantizedRows out;
+  const int64_t blocks = K / block;
+  out.M = static_cast<int64_t>(which.size());
+  out.K = K;
+  out.block = block;
+  for (const int64_t m : which) {
+    out.q.insert(out.q.end(), q.begin() + m * K, q.begin() + (m + 1) * K);
+    out.scale.insert(out.scale.end(), scale.begin() + m * blocks, scale.begin() + (m + 1) * blocks);
+    out.sum.insert(out.sum.end(), sum.begin() + m * blocks, sum.begin() + (m + 1) * blocks);
+    out.qsum.insert(out.qsum.end(), qsum.begin() + m * blocks, qsum.begin() + (m + 1) * blocks);
+  }
+  return out;
+}
+
 template void QuantizedRows::quantize<float>(const float*, int64_t, int64_t, int64_t, const float*);
 template void QuantizedRows::quantize<bf16>(const bf16*, int64_t, int64_t, int64_t, const float*);
 
@@ -289,8 +304,8 @@ at::Tensor Projection::matmul(const at::Tensor& x, bool float_out) const {
 int64_t Projection::refine(const at::Tensor& x, const at::Tensor& y, double margin) const {
   check_float_or_bf16(x, "x");
   TORCH_CHECK(!is_int4(format_), "refine recomputes with an int8 weight; this one is int4");
-  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(0) <= kMaxRows && x.size(1) == K_, "x must be (M, ", K_,
-              ") with M in 1..", kMaxRows, ", got ", x.sizes());
+  TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1 && x.size(1) == K_, "x must be (M, ", K_, ") with M >= 1, got ",
+              x.sizes());
   TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous() && y.dim() == 2 && y.size(0) == x.size(0) &&
                   y.size(1) == N_,
               "y must be contiguous float32 (", x.size(0), ", ", N_, "), got ", y.sizes());

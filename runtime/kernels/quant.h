@@ -53,6 +53,8 @@ struct QuantizedRows {
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, int64_t block_values = kBlock,
                 const float* column_mul = nullptr);
+  // The rows `which` of these, in that order (a refine's rows taken apart).
+  QuantizedRows rows(const std::vector<int64_t>& which) const;
 };
 
 // kInt8: int8 with one scale a row; kInt8Block: int8 with one scale per row and block of 32 (a GGUF's Q5_0 and Q8_0
@@ -97,9 +99,10 @@ class Projection {
   void run(const QuantizedRows& x, T* y) const;  // y (x.M <= 8, N), threads from ATen's pool
   template <typename T>
   void run_tiled(const QuantizedRows& x, T* y) const;  // y (x.M, N): prefill's many rows
-  // y (M, N) float32 holds a screen's approximate sums of x @ W^T (a coarser copy of this weight): every group of 16
-  // columns with a value within `margin` of its row's largest is recomputed here exactly, as `matmul` computes it.
-  // Returns the number of groups recomputed. For int8 weights, up to kMaxRows rows.
+  // y (M, N) float32 holds a screen's approximate sums of x @ W^T (a coarser copy of this weight): in each row, every
+  // group of 16 columns with a value within `margin` of that row's largest is recomputed here exactly, as `matmul`
+  // computes it (on this copy, not a tiles' one). Returns the number of groups recomputed, all rows' together. For
+  // int8 weights, any number of rows.
   int64_t refine(const at::Tensor& x, const at::Tensor& y, double margin) const;
   int64_t refine_groups(const QuantizedRows& x, float* y, float margin) const;
 

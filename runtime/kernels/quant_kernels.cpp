@@ -395,11 +395,14 @@ void Projection::run(const QuantizedRows& x, T* y) const {
 }
 
 // The screen's rows scanned twice: each row's largest value (in pieces, one maximum a piece and row), then the groups
-// of 16 columns holding a value at or above that less the margin; the streaming kernel recomputes those groups from
-// their list, in its streams, with the same instructions in the same order as `run` (so the sums are `matmul`'s to
-// the bit), over the screen's values in place. Past half the groups (a flat row) it recomputes them all, as `run`
-// does: a list of most groups read ~20% slower than all of them in order (a 2-core Zen 4 EPYC, Gemma 3 270M's head:
-// 95% of the groups listed 4.6-6.4 ms, all 4.0-4.1).
+// of 16 columns holding a value at or above that less the margin. The streaming kernel recomputes a row's groups from
+// its own list, the row alone, with the same instructions in the same order as `run` (the sums are `matmul`'s to the
+// bit at any row count: the kernels add a row's blocks in the same order), over the screen's values in place. A row
+// with more than half its groups near its top (a flat row) is recomputed whole instead, the flat rows together as
+// `matmul` takes that many: a list of most groups read ~20% slower than all of them in order (a 2-core Zen 4 EPYC,
+// Gemma 3 270M's head: 95% of the groups listed 4.6-6.4 ms, all 4.0-4.1), and a row alone reads the whole weight for
+// itself (a 2-core Zen 1 EPYC: 9.3 ms a row alone, 6.1 a row at 8 rows). Lists per row, not one for all: a decode
+// batch's rows peak at different tokens, and one flat row would otherwise refine every group of every row.
 int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin) const {
   const int64_t M = x.M, N = N_, groups = N_ / 16;
   constexpr int64_t kPieces = 64;
@@ -416,30 +419,63 @@ int64_t Projection::refine_groups(const QuantizedRows& x, float* y, float margin
     for (int64_t p = 0; p < kPieces; ++p) best = std::max(best, top[p * M + m]);
     floor[m] = best - margin;
   }
-  std::vector<uint8_t> near(groups);
-  at::parallel_for(0, groups, 2048, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      bool any = false;
-      for (int64_t m = 0; m < M; ++m) any |= group_reaches(y + m * N + g * 16, floor[m]);
-      near[g] = any;
+  std::vector<uint8_t> near(M * groups);
+  at::parallel_for(0, M * groups, 2048, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / groups;
+      near[i] = group_reaches(y + m * N + (i % groups) * 16, floor[m]);
     }
   });
-  std::vector<int64_t> chosen;
-  for (int64_t g = 0; g < groups; ++g)
-    if (near[g]) chosen.push_back(g);
-  if (2 * static_cast<int64_t>(chosen.size()) > groups) {
-    run(x, y);
-    return groups;
+  std::vector<std::vector<int64_t>> chosen(M);
+  std::vector<int64_t> flat;
+  struct Piece {
+    int64_t row, i0, i1;  // the row's list[i0..i1]
+  };
+  std::vector<Piece> pieces;
+  constexpr int64_t kPieceGroups = 16;
+  int64_t refined = 0;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < groups; ++g)
+      if (near[m * groups + g]) chosen[m].push_back(g);
+    const int64_t n = static_cast<int64_t>(chosen[m].size());
+    if (2 * n > groups) {
+      flat.push_back(m);
+      refined += groups;
+      continue;
+    }
+    refined += n;
+    for (int64_t i = 0; i < n; i += kPieceGroups) pieces.push_back({m, i, std::min(n, i + kPieceGroups)});
   }
+  auto whole = [&](const QuantizedRows& rows, float* out) {  // as `matmul` takes that many rows on this copy
+    if (rows.M <= kMaxRows && !rows_in_tiles(rows.M)) run(rows, out);
+    else run_tiled(rows, out);
+  };
+  if (static_cast<int64_t>(flat.size()) == M) {
+    whole(x, y);
+  } else if (!flat.empty()) {
+    std::vector<float> yf(flat.size() * N);
+    whole(x.rows(flat), yf.data());
+    for (size_t f = 0; f < flat.size(); ++f) std::copy(yf.begin() + f * N, yf.begin() + (f + 1) * N, y + flat[f] * N);
+  }
+  std::vector<QuantizedRows> taken(M);  // a listed row's activations alone (the row itself where there is one)
+  std::vector<const QuantizedRows*> alone(M, &x);
+  for (const Piece& pc : pieces)
+    if (M > 1 && pc.i0 == 0) alone[pc.row] = &(taken[pc.row] = x.rows({pc.row}));
   const uint8_t* w = packed_.data_ptr<uint8_t>();
   const float* sc = static_cast<const float*>(scales_.data_ptr());
-  at::parallel_for(0, static_cast<int64_t>(chosen.size()), 8, [&](int64_t i0, int64_t i1) {
-    if (format_ == Format::kInt8Block)
-      stream_rows<Format::kInt8Block>(M, w, sc, x, y, N, i0, i1, chosen.data(), false, narrow_);
-    else if (format_ == Format::kInt8Wide) stream_rows<Format::kInt8Wide>(M, w, sc, x, y, N, i0, i1, chosen.data());
-    else stream_rows<Format::kInt8>(M, w, sc, x, y, N, i0, i1, chosen.data());
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const Piece& pc = pieces[p];
+      const QuantizedRows& xr = *alone[pc.row];
+      float* yr = y + pc.row * N;
+      const int64_t* list = chosen[pc.row].data();
+      if (format_ == Format::kInt8Block)
+        stream_rows<Format::kInt8Block>(1, w, sc, xr, yr, N, pc.i0, pc.i1, list, false, narrow_);
+      else if (format_ == Format::kInt8Wide) stream_rows<Format::kInt8Wide>(1, w, sc, xr, yr, N, pc.i0, pc.i1, list);
+      else stream_rows<Format::kInt8>(1, w, sc, xr, yr, N, pc.i0, pc.i1, list);
+    }
   });
-  return static_cast<int64_t>(chosen.size());
+  return refined;
 }
 
 #else

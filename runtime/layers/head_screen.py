@@ -1,4 +1,5 @@
-"""A batch-1 decode step's LM head screened in 4 bits, refined in 8: the bytes of an int4 head, the int8 head's top.
+"""A decode step's LM head screened in 4 bits, refined in 8: the bytes (or on AVX2 the work) of an int4 head, the int8
+head's top.
 
 At one row the LM head is read, not computed: its 262144 x 640 int8 copy (Gemma 3 270M's Q8_0 table, 178 MB)
 is about half of a batch-1 step. A screen keeps the same table a second time as a coarse int4 copy (16 levels
@@ -19,10 +20,15 @@ the bench's random-id prompts) refines most groups and pays for both copies (pas
 all in order, faster than a list); a peaked one refines a few dozen. Margins 10 and 12 refine more and were slower
 than none on the bench's prompts (`docs/performance.md`, "The LM head screened in 4 bits").
 
+On AVX2 a decode batch's rows are screened too (`screen_max_rows`): there the head is computed rather than read, and
+the int4 kernel computes it in fewer instructions.
+
 `--lm-head-screen off` keeps the int8 head alone (every logit the int8 head's, e.g. for `logprobs` of rare tokens).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -31,10 +37,20 @@ from runtime import kernels
 GROUP = 32  # weights per (step, offset), as the int4 kernel takes them
 LEVELS = 16
 REFINE_MARGIN = 8.0  # logits within this of a row's largest are the int8 head's (module docstring)
-# One row: a batch-1 decode step. With more, the rows' groups near their tops add up: on the bench's synthetic
-# prompts one row in seven is flat enough that nearly every group is refined, so at 4 rows half the steps paid
-# for both copies (the head at 4 rows 8.8 against 5.3 ms for the int8 head alone, at 8 rows 11.8 against 6.3).
-SCREEN_MAX_ROWS = 1
+# Rows a screen takes where the int8 kernel is AVX2's (`screen_max_rows`): a decode batch's, not a prompt's
+# logits (`echo`, the quality benchmark's prefill path), which stay the int8 head's everywhere.
+AVX2_SCREEN_ROWS = 32
+
+
+@functools.cache
+def screen_max_rows() -> int:
+    """Rows the screen takes. On AVX512-VNNI one, a batch-1 step: there int4 and int8 cost the same instructions a
+    multiply-add, so only the bytes gain, and with more rows the rows' near groups added up (one row in seven flat
+    on the bench's random-id prompts): at 4 rows the head took 8.8 against 5.3 ms, at 8 rows 11.8 against 6.3. On
+    AVX2 a decode batch's too: its int4 kernel sums a block in fewer instructions than its int8 one, so the screen
+    computes faster than the int8 head (16 rows of the bench's decode on a 2-core Zen 1 EPYC: 63 against 95 ms), and
+    each row refines its own groups (`Projection.refine`), its flat rows recomputed together."""
+    return AVX2_SCREEN_ROWS if kernels.low_bit_isa() == "avx2" else 1
 
 
 def coarse_int4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,7 +82,7 @@ class HeadScreen:
         self.coarse = kernels.load().Projection.int4(*coarse_int4(weight), half_scales=True)
         self.refined_groups = 0  # groups of 16 logits recomputed in 8 bits, since load (tests and benchmarks)
 
-    def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32; M <= 8 (refine's rows)
+    def logits(self, x2: torch.Tensor) -> torch.Tensor:  # (M, in) -> (M, N) float32
         x2 = x2.contiguous()
         out = self.coarse.matmul(x2, float_out=True)
         self.refined_groups += self.exact.refine(x2, out, REFINE_MARGIN)

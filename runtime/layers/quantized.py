@@ -49,7 +49,7 @@ from torch import nn
 
 from runtime.layers.decode_linear import INT8_MAX, Int8DecodeWeight, force_decode_copies, quantize_per_channel
 from runtime import kernels
-from runtime.layers.head_screen import SCREEN_MAX_ROWS, HeadScreen
+from runtime.layers.head_screen import HeadScreen, screen_max_rows
 from runtime.layers.int4 import EVERY_ROW, OUR_MAX_ROWS
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import CPU_HAS_BF16_UNITS, Embedding, Linear, linear
@@ -211,7 +211,7 @@ class DynamicInt8Weight:
                 and not torch.compiler.is_compiling())
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out) float32
-        if self.screen is not None and x2.shape[0] <= SCREEN_MAX_ROWS:
+        if self.screen is not None and x2.shape[0] <= screen_max_rows():
             return self.screen.logits(x2)
         if self.kernel_weight is not None:  # bfloat16 or float32 rows, quantised the same way
             return self.kernel_weight.matmul(x2, float_out=True)
@@ -295,7 +295,7 @@ def _rows_text(copy: DynamicInt8Weight | None) -> str:
     rows = DYNAMIC_MAX_ROWS if copy is None else copy.max_rows
     text = " for every row count" if rows >= EVERY_ROW else f" up to {rows} rows"
     if copy is not None and copy.screen is not None:
-        text += f", screened in 4 bits up to {SCREEN_MAX_ROWS} row(s)"
+        text += f", screened in 4 bits up to {screen_max_rows()} row(s)"
     return text
 
 

@@ -554,16 +554,17 @@ def test_int4_projection_uses_the_4bit_weight_exactly(low_bit, rows, half_scales
 
 
 def _near_top_groups(y: torch.Tensor, margin: float) -> torch.Tensor:
-    """(N / 16,) bool: the groups of 16 columns where some row holds a value within margin of that row's largest."""
+    """(M, N / 16) bool: each row's groups of 16 columns holding a value within margin of that row's largest."""
     near = y >= y.max(dim=1, keepdim=True).values - margin  # (M, N)
-    return near.view(y.shape[0], -1, 16).any(-1).any(0)
+    return near.view(y.shape[0], -1, 16).any(-1)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16])
 @pytest.mark.parametrize("per_block", [True, False])
 def test_refine_recomputes_the_groups_near_each_rows_top_exactly(low_bit, rows, per_block):
     """A screen's values (here unrelated to the weight, so that only refine's choice can make them right): the groups
-    near a row's top become `matmul`'s sums to the bit, every other value is left as it was."""
+    near a row's own top become `matmul`'s sums to the bit, every other value is left as it was, another row's near
+    groups included."""
     torch.manual_seed(rows)
     N, Kd, margin = 16 * 256, 128, 0.5
     q = torch.randint(-127, 128, (N, Kd), dtype=torch.int8)
@@ -573,10 +574,12 @@ def test_refine_recomputes_the_groups_near_each_rows_top_exactly(low_bit, rows, 
     exact = weight.matmul(x, float_out=True)
     screen = torch.randn(rows, N)
     chosen = _near_top_groups(screen, margin)
-    assert 0 < int(chosen.sum()) < N // 16 // 4  # a few groups: refine takes them one by one
+    assert (0 < chosen.sum(1)).all() and (chosen.sum(1) < N // 16 // 4).all()  # a few groups a row: taken one by one
+    if rows > 1:
+        assert (chosen.any(0) & ~chosen).any()  # some group near one row's top and not another's
     y = screen.clone()
     assert weight.refine(x, y, margin) == int(chosen.sum())
-    expected = torch.where(chosen.repeat_interleave(16)[None], exact, screen)
+    expected = torch.where(chosen.repeat_interleave(16, 1), exact, screen)
     assert torch.equal(y, expected)
 
 
@@ -586,7 +589,7 @@ def test_refine_of_a_flat_row_is_the_whole_matmul(low_bit):
     weight = low_bit.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8), torch.rand(N) / 100)
     x = torch.randn(2, Kd)
     y = torch.zeros(2, N)  # every value at the top: every group near it
-    assert weight.refine(x, y, 0.0) == N // 16
+    assert weight.refine(x, y, 0.0) == 2 * (N // 16)
     assert torch.equal(y, weight.matmul(x, float_out=True))
 
 
@@ -602,10 +605,31 @@ def test_refine_past_half_the_groups_recomputes_them_all(low_bit):
     assert torch.equal(y, weight.matmul(x, float_out=True))
 
 
+@pytest.mark.parametrize("flat_rows", [[0, 5, 11], list(range(2, 12))])  # fewer and more than the streaming kernel's 8
+def test_refine_recomputes_flat_rows_whole_and_the_others_by_their_groups(low_bit, flat_rows):
+    """A batch of rows, some flat: those come out as `matmul`'s whole rows, the others only near their own tops."""
+    torch.manual_seed(len(flat_rows))
+    N, Kd, M, margin = 16 * 128, 128, 12, 0.5
+    weight = low_bit.Projection.int8(torch.randint(-127, 128, (N, Kd), dtype=torch.int8),
+                                     (torch.rand(N, Kd // 32) / 100).half().float())
+    x = torch.randn(M, Kd).bfloat16()
+    exact = weight.matmul(x, float_out=True)
+    screen = torch.randn(M, N)
+    screen[flat_rows] = 0.0  # every group at the top
+    chosen = _near_top_groups(screen, margin)
+    peaked = [m for m in range(M) if m not in flat_rows]
+    y = screen.clone()
+    assert weight.refine(x, y, margin) == len(flat_rows) * (N // 16) + int(chosen[peaked].sum())
+    assert torch.equal(y[flat_rows], exact[flat_rows])
+    expected = torch.where(chosen.repeat_interleave(16, 1), exact, screen)
+    assert torch.equal(y[peaked], expected[peaked])
+    assert not torch.equal(y[peaked], exact[peaked])  # the peaked rows' far groups stay the screen's
+
+
 def test_refine_refuses_what_it_cannot_take(low_bit):
     weight = low_bit.Projection.int8(torch.zeros(32, 64, dtype=torch.int8), torch.ones(32))
-    with pytest.raises(RuntimeError, match="M in 1..8"):
-        weight.refine(torch.zeros(9, 64), torch.zeros(9, 32), 1.0)
+    with pytest.raises(RuntimeError, match="x must be"):
+        weight.refine(torch.zeros(1, 32), torch.zeros(1, 32), 1.0)
     with pytest.raises(RuntimeError, match="y must be contiguous float32"):
         weight.refine(torch.zeros(1, 64), torch.zeros(1, 32).bfloat16(), 1.0)
     with pytest.raises(RuntimeError, match="y must be contiguous float32"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime import kernels
-from runtime.layers.head_screen import REFINE_MARGIN, SCREEN_MAX_ROWS, coarse_int4
+from runtime.layers.head_screen import REFINE_MARGIN, coarse_int4, screen_max_rows
 from runtime.layers.quantized import Int8HeadEmbedding, set_head_screen
 
 pytestmark = pytest.mark.skipif(not kernels.has_low_bit(), reason="the screen runs on our int4 kernel (AVX512-VNNI or AVX2)")
@@ -40,7 +40,7 @@ def test_coarse_copy_rounds_each_group_to_its_own_16_levels():
     torch.testing.assert_close((low + 15 * step).view(-1), groups.amax(-1))
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8])  # the head screens one; the screen itself takes up to 8
+@pytest.mark.parametrize("rows", [1, 4, 8, 16])  # a batch-1 step, decode batches
 def test_logits_near_the_top_are_the_int8_heads_and_the_rest_are_screened(rows):
     head = _head(_weight(seed=rows))
     copy = head.int8
@@ -61,18 +61,31 @@ def test_logits_near_the_top_are_the_int8_heads_and_the_rest_are_screened(rows):
     assert (logits == screened).float().mean() > 0.9 and not torch.equal(logits, exact)  # most stay screened
 
 
+def test_a_batch_of_rows_gets_what_each_row_gets_alone():
+    """A decode batch screened (peaked rows refined by their own groups, a flat one whole) gives each row the logits a
+    batch-1 step gives it: the quality measured at one row holds for every batch."""
+    head = _head(_weight(seed=3))
+    x = _rows(12, 3)
+    x[4] *= 1e-3  # a flat row: every logit within the margin of its top
+    batch = head.int8.screen.logits(x)
+    alone = torch.cat([head.int8.screen.logits(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(batch, alone)
+    assert torch.equal(batch[4], head.int8.kernel_weight.matmul(x[4:5], float_out=True)[0])
+
+
 def test_the_head_screens_its_rows_up_to_the_limit_and_not_when_switched_off():
     model_like = type("M", (), {})()
     head = _head(_weight(seed=9))
     model_like.lm_head, model_like.model = None, type("Inner", (), {"embed_tokens": head})()
-    x = _rows(SCREEN_MAX_ROWS + 1, 9)
+    limit = screen_max_rows()
+    x = _rows(limit + 1, 9)
     int8 = head.int8.kernel_weight
     with torch.no_grad():
         assert torch.equal(head.logits(x), int8.matmul(x, float_out=True))  # more rows: the int8 head alone
-        screened = head.logits(x[:SCREEN_MAX_ROWS])
-        assert torch.equal(screened, head.int8.screen.logits(x[:SCREEN_MAX_ROWS]))
-        assert not torch.equal(screened, int8.matmul(x[:SCREEN_MAX_ROWS], float_out=True))
+        screened = head.logits(x[:limit])
+        assert torch.equal(screened, head.int8.screen.logits(x[:limit]))
+        assert not torch.equal(screened, int8.matmul(x[:limit], float_out=True))
         assert set_head_screen(model_like, True)
         assert not set_head_screen(model_like, False) and head.int8.screen is None
-        plain = head.logits(x[:SCREEN_MAX_ROWS])
-    assert torch.equal(plain, int8.matmul(x[:SCREEN_MAX_ROWS], float_out=True))
+        plain = head.logits(x[:limit])
+    assert torch.equal(plain, int8.matmul(x[:limit], float_out=True))
