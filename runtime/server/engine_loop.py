@@ -197,6 +197,7 @@ class EngineLoop:
         self._failures_suppressed = 0
         self._registry = None  # built on the first scrape
         self._step_started: float | None = None
+        self._after_step: Callable[[], None] = lambda: None
 
     # ---- what the front end reads ------------------------------------------------------------------------
     @property
@@ -224,12 +225,15 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="swa-runtime-engine", daemon=True)
         self._thread.start()
 
-    def run_in_this_thread(self, on_started: Callable[[], None] = lambda: None) -> None:
+    def run_in_this_thread(self, on_started: Callable[[], None] = lambda: None,
+                           after_step: Callable[[], None] = lambda: None) -> None:
         """Run the loop on the calling thread until shutdown (the engine process's main thread, which also
-        built the engine: all torch work stays on one thread). `on_started` runs once posts are accepted."""
+        built the engine: all torch work stays on one thread). `on_started` runs once posts are accepted;
+        `after_step` after each step, on this thread (the engine process sends the step's tokens then)."""
         if self._thread is not None:
             raise RuntimeError("the engine loop is already running")
         self._thread = threading.current_thread()
+        self._after_step = after_step
         on_started()
         self._run()
 
@@ -456,6 +460,7 @@ class EngineLoop:
             return True
         finally:
             self._step_started = None
+            self._after_step()
         self._step_failures = 0
         return progressed
 

@@ -9,7 +9,7 @@ the engine (one OpenMP team). The two talk over a pipe:
                          | ("count", status, n) | ("call", token, what) | ("metrics", token) | ("ping", token)
                          | ("shutdown", timeout_s)
     engine -> front end: ("ready", info) | ("admitted", rid) | ("add_failed", rid, kind, message)
-                         | ("token", rid, id, logprob or None) | ("final", rid, reason, message)
+                         | ("tokens", [(rid, id, logprob or None), ...]) | ("final", rid, reason, message)
                          | ("queue", running, waiting)
                          | ("reply", token, ok, value)
 
@@ -17,7 +17,9 @@ Metrics are counted in the engine process and rendered there at scrape time, by 
 thread is never waited on). If the engine process dies, every live request ends with an error, `/health`
 answers 503, and new requests are refused; nothing waits on it. The requests it took with it are counted
 `error` by the next engine process (`restart()`), whose counters start from 0 like every series of a
-restarted process. Watching the heartbeat (`ping`) and deciding when to restart is `supervisor.py`'s job.
+restarted process. A step's tokens travel as one message, sent when the step ends: one write, one wake-up of the
+front end's reader and event loop a step instead of one a running request (the front end shares the CPU with the
+step's threads). Watching the heartbeat (`ping`) and deciding when to restart is `supervisor.py`'s job.
 """
 
 from __future__ import annotations
@@ -317,10 +319,9 @@ class EngineProcess:
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "token":
-            self._push(message[1], message[2])
-            if message[3] is not None:
-                self._push(message[1], message[3])
+        if kind == "tokens":
+            self._deliver([(rid, item) for rid, token, logprob in message[1]
+                           for item in ((token,) if logprob is None else (token, logprob))])
         elif kind == "final":
             _, rid, reason, text = message
             self._push(rid, _Final(reason, text))
@@ -342,15 +343,21 @@ class EngineProcess:
             self._ready.set()
 
     def _push(self, rid: str, item) -> None:
+        self._deliver([(rid, item)])
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        """Hand (rid, item) pairs to their streams' queues, in order: one call into each event loop for them all."""
         with self._lock:
-            target = self._streams.get(rid)
-        if target is None:
-            return
-        aloop, queue = target
-        try:
-            aloop.call_soon_threadsafe(queue.put_nowait, item)
-        except RuntimeError:  # the event loop is closed: nobody listens any more
-            pass
+            targets = [(self._streams.get(rid), item) for rid, item in items]
+        by_loop: dict[Any, list] = {}
+        for target, item in targets:
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for aloop, puts in by_loop.items():
+            try:
+                aloop.call_soon_threadsafe(_put_all, puts)
+            except RuntimeError:  # the event loop is closed: nobody listens any more
+                pass
 
     def _settle(self, table: dict, key, exc: BaseException | None, value: Any = None) -> None:
         with self._lock:
@@ -381,6 +388,11 @@ class EngineProcess:
 
 
 # ---- the engine process -----------------------------------------------------------------------------------
+def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in puts:
+        queue.put_nowait(item)
+
+
 @contextlib.contextmanager
 def _sigint_ignored_by_children():
     """Spawn with SIGINT ignored, which the child inherits through exec: a Ctrl-C while it is still importing
@@ -430,12 +442,21 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
             queue_seen[0] = sizes
             send(("queue", *sizes))
 
-    def add(rid: str, prompt_ids: list[int], params: SamplingParams, traceparent: str | None) -> None:
-        def on_token(r: Req, t: int) -> None:
-            send(("token", r.rid, t, r.output_logprobs[-1] if r.params.logprobs is not None else None))
+    step_tokens: list[tuple] = []  # (rid, id, logprob or None) of the step under way; engine thread only
+
+    def send_tokens() -> None:
+        """The tokens the step gave, in one message (the loop calls it after each step)."""
+        if step_tokens:
+            send(("tokens", step_tokens[:]))
+            step_tokens.clear()
             report_queue()
 
+    def add(rid: str, prompt_ids: list[int], params: SamplingParams, traceparent: str | None) -> None:
+        def on_token(r: Req, t: int) -> None:
+            step_tokens.append((r.rid, t, r.output_logprobs[-1] if r.params.logprobs is not None else None))
+
         def on_finish(r: Req) -> None:
+            send_tokens()  # a request's tokens before its end
             final = loop.final_of(r)
             send(("final", r.rid, final.reason, final.message))
             report_queue()
@@ -498,5 +519,5 @@ def _engine_main(conn, cfg: EngineConfig, options: dict) -> None:
         threading.Thread(target=read, name="swa-runtime-engine-pipe", daemon=True).start()
         send(("ready", {"context_length": engine.context_length}))
 
-    loop.run_in_this_thread(on_started=started)
+    loop.run_in_this_thread(on_started=started, after_step=send_tokens)
     send(("queue", 0, 0))  # the process exits now; the pipe closes with it

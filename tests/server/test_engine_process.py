@@ -80,6 +80,33 @@ def test_outputs_and_counts_through_the_engine_process(served, reference):
     served.engine.call("assert_idle_clean").result(10)
 
 
+def test_concurrent_streams_each_get_their_own_tokens_and_logprobs_through_the_engine_process(served, reference):
+    """Three requests decode in the same steps, whose tokens cross the pipe together: each stream gets its own,
+    in order, each with its logprob, then its end."""
+    tokenizer = load_tokenizer("tiny")
+    results = {}
+
+    def run(i):
+        with httpx.Client(base_url=served.url, timeout=60) as c:
+            with c.stream("POST", "/v1/completions", headers=JSON, json={
+                    "model": "tiny", "prompt": PROMPTS[i], "max_tokens": NEW, "temperature": 0, "logprobs": 1,
+                    "stream": True, "ignore_eos": True}) as r:
+                results[i] = sse_events(list(r.iter_lines()))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, ids in enumerate(reference):
+        chunks = [e["choices"][0] for e in results[i] if e != "[DONE]" and e["choices"]]
+        assert "".join(ch["text"] for ch in chunks) == tokenizer.decode(ids)
+        logprobs = [v for ch in chunks if ch["logprobs"] for v in ch["logprobs"]["token_logprobs"]]
+        assert len(logprobs) == NEW and all(v <= 0 for v in logprobs)
+        assert chunks[-1]["finish_reason"] == "length" and results[i][-1] == "[DONE]"
+    served.engine.call("assert_idle_clean").result(10)
+
+
 def test_a_killed_engine_process_ends_live_streams_with_an_error_and_health_says_so(served):
     with httpx.Client(base_url=served.url, timeout=60) as c:
         got_tokens = threading.Event()
