@@ -387,12 +387,13 @@ class EngineProcess:
         return ended
 
 
-# ---- the engine process -----------------------------------------------------------------------------------
 def _put_all(puts: list[tuple[asyncio.Queue, Any]]) -> None:
+    """Runs on a stream's event loop: the items `_deliver` handed it, into their queues in order."""
     for queue, item in puts:
         queue.put_nowait(item)
 
 
+# ---- the engine process -----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _sigint_ignored_by_children():
     """Spawn with SIGINT ignored, which the child inherits through exec: a Ctrl-C while it is still importing
