@@ -29,12 +29,15 @@
 //   add up to at most kPairBudget, and those tiles then take two lines a step (quant_avx2.h, `lines_in_16_bits`).
 // - Narrow (`narrow`, a kInt8Block copy whose weights lie within -kNarrowMax..kNarrowMax, as a GGUF's Q5_0 values):
 //   the AVX2 kernels add four lines' pair sums in 16 bits before widening them (quant_avx2.h, `lines_in_16_bits`).
+// - On AVX2 a narrow copy stores w + 16 and a kInt8Wide copy each line's magnitudes beside its values (quant.h,
+//   `kNarrowStored`, `kWideMagnitudes`): the bytes its kernels take, nothing to undo a line.
 //
 // This file: the activations' quantisation, the packing, the entry point; the kernels are in quant_kernels.cpp.
 
 #include "quant.h"
 
 #include <algorithm>
+#include <cstdlib>
 
 #include "vecmath.h"
 
@@ -135,19 +138,26 @@ template void QuantizedRows::quantize<bf16>(const bf16*, int64_t, int64_t, int64
 namespace {
 
 // int8 (N, K) into the int8 formats' lines: per group of 16 rows, line j holds each row's values 4j..4j+3 in turn,
-// stored as w + 128.
-at::Tensor pack_int8(const at::Tensor& w) {
-  const int64_t N = w.size(0), K = w.size(1);
-  auto out = at::empty({N * K}, at::kByte);
+// stored as w + `offset` (128; a narrow copy's on AVX2, `kNarrowStored`). With `magnitudes` (a kInt8Wide copy on AVX2,
+// `kWideMagnitudes`) a line is 128 bytes: the 64 values' magnitudes |w|, then the values w themselves.
+at::Tensor pack_int8(const at::Tensor& w, int offset = 128, bool magnitudes = false) {
+  const int64_t N = w.size(0), K = w.size(1), line_bytes = magnitudes ? 128 : 64;
+  auto out = at::empty({N * K * line_bytes / 64}, at::kByte);
   const int8_t* src = w.data_ptr<int8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       for (int64_t j = 0; j < K / 4; ++j) {
-        uint8_t* line = dst + (g * (K / 4) + j) * 64;
+        uint8_t* line = dst + (g * (K / 4) + j) * line_bytes;
         for (int64_t r = 0; r < 16; ++r) {
           for (int64_t t = 0; t < 4; ++t) {
-            line[r * 4 + t] = static_cast<uint8_t>(static_cast<int>(src[(g * 16 + r) * K + j * 4 + t]) + 128);
+            const int v = src[(g * 16 + r) * K + j * 4 + t];
+            if (magnitudes) {
+              line[r * 4 + t] = static_cast<uint8_t>(std::abs(v));
+              line[64 + r * 4 + t] = static_cast<uint8_t>(static_cast<int8_t>(v));
+            } else {
+              line[r * 4 + t] = static_cast<uint8_t>(v + offset);
+            }
           }
         }
       }
@@ -177,8 +187,9 @@ Projection Projection::int8(const at::Tensor& w, const at::Tensor& scales) {
   const auto inexact = scales.to(at::kHalf).to(at::kFloat).ne(scales);
   TORCH_CHECK(!inexact.any().item<bool>(), "per-block scales must be float16 values (a GGUF's Q8_0 or Q5_0 scales), got ",
               scales.masked_select(inexact)[0].item<float>());
-  Projection p(pack_int8(w), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
-  p.narrow_ = w.to(at::kInt).abs().le(kNarrowMax).all().item<bool>();
+  const bool narrow = w.to(at::kInt).abs().le(kNarrowMax).all().item<bool>();
+  Projection p(pack_int8(w, narrow ? kNarrowStored : 128), group_scales(scales, at::kHalf), N, K, Format::kInt8Block);
+  p.narrow_ = narrow;
   return p;
 }
 
@@ -189,7 +200,8 @@ Projection Projection::int8_wide(const at::Tensor& w, const at::Tensor& scales, 
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.dim() == 2 && scales.size(0) == N &&
                   scales.size(1) == K / kWideBlock,
               "scales must be float32 (N, K / 128)");
-  Projection p(pack_int8(w), group_scales(scales.contiguous(), at::kFloat), N, K, Format::kInt8Wide);
+  Projection p(pack_int8(w, 128, kWideMagnitudes), group_scales(scales.contiguous(), at::kFloat), N, K,
+               Format::kInt8Wide);
   // values 8i + 4a + 2p + b: the four of one 16-bit sum share (i, p), over a (the line) and b (the pair)
   const at::Tensor quads = w.to(at::kInt).abs().view({N, K / 8, 2, 2, 2}).sum({2, 4});
   p.paired_ = quads.le(kPairBudget).all().item<bool>();

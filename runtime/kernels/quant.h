@@ -39,6 +39,19 @@ constexpr const char* kLowBitIsa = "";
 #endif
 constexpr bool kHasLowBit = kLowBitIsa[0] != '\0';
 
+#if defined(SWA_LOW_BIT_AVX2)
+// How the AVX2 kernels find a line's bytes ready (quant_avx2.h, `half_line`), so that no instruction a line goes to
+// undoing how it is stored. On a 2-core Zen 1 EPYC an add or an absolute value a line took issue slots from the
+// multiplies: a tile's loop 3-8% faster alone, the model's prefill projections 2-6% (docs/performance.md):
+// - a narrow kInt8Block copy stores w + 16 (0..32), the unsigned operand as it is, not w + 128;
+// - a kInt8Wide copy stores each line twice, its magnitudes |w| then its values w (int8), 128 bytes a line.
+constexpr int kNarrowStored = kNarrowMax;
+constexpr bool kWideMagnitudes = true;
+#else
+constexpr int kNarrowStored = 128;
+constexpr bool kWideMagnitudes = false;
+#endif
+
 // Activations (M, K) quantised per block of 32 (or 128) values: symmetric int8 with one float scale a block (as
 // llama.cpp's Q8 blocks), the int32 sum of each block's quantised values (the int8 format's +128 comes back
 // out through it) and the float sum of each block's own values (int4's offsets multiply it).

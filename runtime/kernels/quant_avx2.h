@@ -8,11 +8,13 @@
 // - int8 weights are stored as w + 128 (0..255), and 255 * 127 * 2 would. So w is taken back (xor 0x80), its
 //   magnitude (0..128) is the unsigned operand and the activation takes w's sign (`vpsignb`; activations lie in
 //   -127..127, so negating one cannot overflow): at most 128 * 127 * 2 = 32512. Exact for every int8 weight, -128
-//   too, and the sums start at zero (no +128 to take out);
+//   too, and the sums start at zero (no +128 to take out). A kInt8Wide copy stores the magnitudes and the values
+//   already (`kWideMagnitudes`), so its lines cost two loads and no instruction to take them apart;
 // - int4 values (0..15) are unsigned already: 15 * 127 * 2 per pair, and a block's pairs, both nibbles', added in
 //   16 bits before widening (at most 30480);
 // - more lines are added in 16 bits before one widening where a copy's values allow it (`lines_in_16_bits`): a
-//   narrow kInt8Block copy as w + 16 against the activations as they are, a paired kInt8Wide copy two lines.
+//   narrow kInt8Block copy as w + 16 (stored so, `kNarrowStored`) against the activations as they are, a paired
+//   kInt8Wide copy two lines.
 // So the integer sums are the AVX-512 kernels' to the bit, and the float32 sums are built from them block by block in
 // the same order (the activations' quantisation, quant.cpp, sums a block's own values in another order there).
 //
@@ -71,13 +73,18 @@ inline void int4_scales8(const float* scales, int64_t at, int h, __m256& step, _
 // The weights of one half-line, ready for every row's dot products: int8, the magnitudes and the values whose signs
 // the activations take; int4, the low and high nibbles; a narrow kInt8Block copy's (`Deep`), w + 16 (0..32), the
 // unsigned operand against the activations as they are (no sign to take: `add_block` takes 16 times the
-// activations' block sum back out).
+// activations' block sum back out). A narrow copy and a kInt8Wide one are stored ready (quant.h, `kNarrowStored`,
+// `kWideMagnitudes`): loads only.
 struct HalfLine {
   __m256i a, b;
 };
 
 template <Format F, bool Deep>
 constexpr bool offset_by_16() { return F == Format::kInt8Block && Deep; }
+
+// Bytes a line takes in a copy of format F: a kInt8Wide line is its magnitudes then its values (`kWideMagnitudes`).
+template <Format F>
+constexpr int64_t line_bytes() { return F == Format::kInt8Wide ? 128 : 64; }
 
 template <Format F, bool Deep>
 inline HalfLine half_line(const uint8_t* at) {
@@ -86,25 +93,50 @@ inline HalfLine half_line(const uint8_t* at) {
     const __m256i nibble = _mm256_set1_epi8(0x0f);
     return {_mm256_and_si256(line, nibble), _mm256_and_si256(_mm256_srli_epi16(line, 4), nibble)};
   } else if constexpr (offset_by_16<F, Deep>()) {
-    return {_mm256_sub_epi8(line, _mm256_set1_epi8(128 - kNarrowMax)), line};  // stored w + 128, less 112
+    static_assert(kNarrowStored == kNarrowMax, "a narrow copy is stored as w + 16 on AVX2");
+    return {line, line};
+  } else if constexpr (F == Format::kInt8Wide) {
+    static_assert(kWideMagnitudes, "a wide copy is stored as magnitudes then values on AVX2");
+    return {line, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + 64))};
   } else {
     const __m256i w = _mm256_xor_si256(line, _mm256_set1_epi8(static_cast<char>(0x80)));
     return {_mm256_abs_epi8(w), w};
   }
 }
 
-// The 8 rows' 16-bit pair sums of a half-line against a row's activations at xb (its 4 or 8 values of this line), not
-// yet widened: int8, two products of at most 128 * 127 a lane (a narrow copy's, 32 * 127); int4, four of 15 * 127.
+// The 8 rows' 16-bit pair sums of an int8 half-line against a row's activations at xb (its 4 values of this line), not
+// yet widened: two products of at most 128 * 127 a lane (a narrow copy's, 32 * 127). int4's: `add_pairs`.
 template <Format F, bool Deep>
 inline __m256i pair_sums(const HalfLine& w, const int8_t* xb) {
-  if constexpr (is_int4(F)) {
-    return _mm256_add_epi16(_mm256_maddubs_epi16(w.a, broadcast_quad8(xb)),
-                            _mm256_maddubs_epi16(w.b, broadcast_quad8(xb + 4)));
-  } else if constexpr (offset_by_16<F, Deep>()) {
+  if constexpr (offset_by_16<F, Deep>()) {
     return _mm256_maddubs_epi16(w.a, broadcast_quad8(xb));
   } else {
     return _mm256_maddubs_epi16(w.a, _mm256_sign_epi8(broadcast_quad8(xb), w.b));
   }
+}
+
+// Keeps `v` where it is in the program: an empty asm that GCC must assume reads and changes it. Without it GCC
+// reassociated a tile's 16-bit sums into trees, computing every product of a block first: an int4 tile's 32 of them
+// (4 rows, 4 lines, 2 nibbles) overflowed AVX2's 16 registers and went to the stack and back. With it, on a 2-core
+// Zen 1 EPYC: an int4 tile's loop 14% faster alone, the model's int4 projections and screened head 4-6%
+// (docs/performance.md).
+inline void in_order(__m256i& v) { __asm__("" : "+x"(v)); }
+
+// pairs (16-bit pair sums so far; `first`: none yet) + a half-line's against a row's activations at xb (its 4 or 8
+// values of this line), one chain in program order (`in_order`): int4's two nibbles one after the other, four
+// products of at most 15 * 127 a lane.
+template <Format F, bool Deep>
+inline void add_pairs(__m256i& pairs, const HalfLine& w, const int8_t* xb, bool first) {
+  if constexpr (is_int4(F)) {
+    const __m256i low = _mm256_maddubs_epi16(w.a, broadcast_quad8(xb));
+    pairs = first ? low : _mm256_add_epi16(pairs, low);
+    in_order(pairs);
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w.b, broadcast_quad8(xb + 4)));
+  } else {
+    const __m256i p = pair_sums<F, Deep>(w, xb);
+    pairs = first ? p : _mm256_add_epi16(pairs, p);
+  }
+  in_order(pairs);
 }
 
 // dot + pairs (16-bit pair sums) widened to the 8 rows' 32-bit sums: one `vpmaddwd` by ones.
@@ -167,7 +199,7 @@ void avx2_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
   constexpr int64_t kDepth = lines_in_16_bits<F>(Deep);
   static_assert(kLines % kDepth == 0, "whole blocks");
   const int64_t K = x.K, blocks = K / kValues;
-  const int64_t group_bytes = blocks * kLines * 64;
+  const int64_t group_bytes = blocks * kLines * line_bytes<F>();
   const int8_t* xq = x.q.data();
   const int64_t per = (g1 - g0 + G - 1) / G;
   for (int64_t i = 0; i < per; ++i) {
@@ -193,11 +225,9 @@ void avx2_rows(const uint8_t* w, const float* scales, const QuantizedRows& x, T*
             for (int st = 0; st < live; ++st) {
               for (int h = 0; h < H; ++h) {
                 const HalfLine line =
-                    half_line<F, Deep>(w + gs[st] * group_bytes + (b * kLines + j + d) * 64 + (h0 + h) * 32);
-                for (int m = 0; m < M; ++m) {
-                  const __m256i p = pair_sums<F, Deep>(line, xq + m * K + b * kValues + (j + d) * kStep);
-                  pairs[st][h][m] = d == 0 ? p : _mm256_add_epi16(pairs[st][h][m], p);
-                }
+                    half_line<F, Deep>(w + gs[st] * group_bytes + (b * kLines + j + d) * line_bytes<F>() + (h0 + h) * 32);
+                for (int m = 0; m < M; ++m)
+                  add_pairs<F, Deep>(pairs[st][h][m], line, xq + m * K + b * kValues + (j + d) * kStep, d == 0);
               }
             }
           }
@@ -253,22 +283,19 @@ void avx2_tile(const uint8_t* w, const float* scales, const QuantizedRows& x, in
   constexpr int64_t kDepth = lines_in_16_bits<F>(Deep);
   static_assert(kLines % kDepth == 0, "whole blocks");
   const int64_t K = x.K, blocks = K / kValues;
-  const uint8_t* wp = w + g * blocks * kLines * 64 + h * 32;
+  const uint8_t* wp = w + g * blocks * kLines * line_bytes<F>() + h * 32;
   const int8_t* xp = x.q.data() + m0 * K;
   __m256 acc[MR];
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, wp += kLines * 64, xp += kValues) {
+  for (int64_t b = 0; b < blocks; ++b, wp += kLines * line_bytes<F>(), xp += kValues) {
     __m256i dot[MR];
     for (int m = 0; m < MR; ++m) dot[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
     for (int64_t j = 0; j < kLines; j += kDepth) {
       __m256i pairs[MR];
       for (int64_t d = 0; d < kDepth; ++d) {
-        const HalfLine line = half_line<F, Deep>(wp + (j + d) * 64);
-        for (int m = 0; m < MR; ++m) {
-          const __m256i p = pair_sums<F, Deep>(line, xp + m * K + (j + d) * kStep);
-          pairs[m] = d == 0 ? p : _mm256_add_epi16(pairs[m], p);
-        }
+        const HalfLine line = half_line<F, Deep>(wp + (j + d) * line_bytes<F>());
+        for (int m = 0; m < MR; ++m) add_pairs<F, Deep>(pairs[m], line, xp + m * K + (j + d) * kStep, d == 0);
       }
       for (int m = 0; m < MR; ++m) dot[m] = widen_into(dot[m], pairs[m]);
     }
