@@ -28,8 +28,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "and LM head) or int8-head (the --dtype for activations, norms and the KV cache; the LM head "
                         "and every projection through low-bit copies of the GGUF's own blocks: int4 where exactly "
                         "4-bit, int8 per block where Q8_0/Q5_0, else per-channel int8; for every row count where "
-                        "the CPU has AVX512-VNNI or AVX2 and no AMX, for decode's few rows with "
-                        "AMX)")
+                        "the CPU has AVX512-VNNI or AVX2 and no AMX, for decode batches up to "
+                        "64 rows with AMX)")
     g.add_argument("--lm-head-screen", choices=("on", "off"), default="on" if d.lm_head_screen else "off",
                    help="with int8-head on AVX512-VNNI or AVX2: a batch-1 decode step reads a 4-bit copy of the LM "
                         "head and every logit within 8 of the top is recomputed by the int8 head (the same greedy token and top "

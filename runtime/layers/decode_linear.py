@@ -111,7 +111,7 @@ class Int8DecodeWeight:
         module = kernels.load()
         if module is not None and module.has_low_bit() and q.shape[0] % 16 == 0 and q.shape[1] % 32 == 0:
             # every row count (up to 8 streamed, prefill's in tiles: 1.5x prepacked bfloat16 at 600 rows), but with
-            # AMX decode's only (`runtime/layers/int4.py` OUR_MAX_ROWS)
+            # AMX decode batches' only (`runtime/layers/int4.py` OUR_MAX_ROWS)
             self.projection, self.max_rows = module.Projection.int8(q, scales.float().contiguous()), OUR_MAX_ROWS
         else:
             self.q, self.scales = q, scales.to(dtype)

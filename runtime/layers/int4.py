@@ -37,10 +37,12 @@ LEVELS = 16
 INT4_MAX_ROWS = 8  # rows up to which torch's int4 kernel is faster than prepacked bfloat16 (module docstring)
 EVERY_ROW = 1 << 62  # a `max_rows` that takes any row count, prefill's too
 # Rows our kernels' copies take (`OUR_MAX_ROWS`): every row count, prefill's in tiles of `vpdpbusd` (1.5x oneDNN's
-# prepacked bfloat16 on AVX512-BF16); but where the CPU has AMX, whose bfloat16 tiles oneDNN runs at several times
-# AVX-512's rate, prefill keeps the prepacked bfloat16 weight and the copies serve decode's few rows (the streaming
-# kernel's 8). Not measured against each other on an AMX machine yet.
-OUR_MAX_ROWS = 8 if CPU_HAS_AMX else EVERY_ROW
+# prepacked bfloat16 on AVX512-BF16). Where the CPU has AMX, oneDNN's bfloat16 tiles catch up with ours past about
+# 64 rows (a layer's projections on a 2-core Xeon with AMX, ours against oneDNN's: 0.34x the time at 8 rows, 0.47x at
+# 16, 0.59x at 32, 0.79x at 64, 1.0x at 96-128, 1.12x at 256), so there the copies take decode batches up to
+# `AMX_MAX_ROWS` and prefill keeps the prepacked bfloat16 weight (docs/performance.md).
+AMX_MAX_ROWS = 64
+OUR_MAX_ROWS = AMX_MAX_ROWS if CPU_HAS_AMX else EVERY_ROW
 GRID_TOLERANCE = 1e-3  # of a grid step: float32 rounding in `s * q - m`, far below a step
 KERNEL_AVAILABLE = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and hasattr(
     torch.ops.aten, "_convert_weight_to_int4pack_for_cpu")

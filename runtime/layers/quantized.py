@@ -183,7 +183,7 @@ class DynamicInt8Weight:
         q, scales = blocks if blocks is not None else quantize_per_channel(weight)
         copy = Int8DecodeWeight(q, scales, torch.bfloat16)
         self.kernel_weight = copy if copy.projection is not None else None
-        self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS)
+        self.max_rows = DYNAMIC_MAX_ROWS  # torch's kernel; ours every row count but with AMX (OUR_MAX_ROWS: decode batches)
         # a batch-1 row reads a coarse int4 copy and refines its top in 8 bits (`runtime/layers/head_screen.py`)
         self.screen = None
         if self.kernel_weight is not None:

@@ -35,7 +35,7 @@ from runtime.layers.module_call import call, hooked
 
 # Rows up to which a decoder layer runs through the fused kernels: decode batches (one row a request) up to 64,
 # and extends as short. Past eight rows the projections run in tiles, as their copies do on the per-operation
-# path; a layer whose copies take fewer rows (with AMX, oneDNN serves more than eight) keeps that path.
+# path; a layer whose copies take fewer rows keeps that path (with AMX they take as many: `OUR_MAX_ROWS`).
 FUSED_MAX_ROWS = 64
 
 

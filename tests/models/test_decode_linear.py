@@ -9,7 +9,7 @@ from runtime.layers import int4
 from runtime import kernels
 from runtime.layers.decode_linear import INT8_MAX_ROWS, DecodeLinear, Int8DecodeWeight
 from runtime.layers import decode_linear
-from runtime.layers.int4 import EVERY_ROW, GROUP, INT4_MAX_ROWS, OUR_MAX_ROWS, Int4Weight, int4_grid
+from runtime.layers.int4 import AMX_MAX_ROWS, EVERY_ROW, GROUP, INT4_MAX_ROWS, OUR_MAX_ROWS, Int4Weight, int4_grid
 from runtime.layers.int8_blocks import int8_block_grid
 from runtime.layers.linear import PackedWeight
 from runtime.layers.quantized import kernel_path_only
@@ -121,21 +121,24 @@ def test_the_decode_copy_computes_what_the_float_weight_does_at_decode_sizes_onl
         assert torch.equal(layer(x), torch.cat([layer.decode.matmul(x[:8]), layer.decode.matmul(x[8:])]))
 
 
-def test_with_amx_our_copies_serve_decode_only_and_the_weight_keeps_its_pack(monkeypatch):
-    """Where the CPU has AMX (oneDNN's bfloat16 tiles), prefill keeps the prepacked weight: simulated here by the
-    row limit that detection sets there."""
+def test_with_amx_our_copies_serve_decode_batches_and_the_weight_keeps_its_pack(monkeypatch):
+    """Where the CPU has AMX (oneDNN's bfloat16 tiles), prefill keeps the prepacked weight and decode batches up to
+    AMX_MAX_ROWS take the copy: simulated here by the row limit that detection sets there."""
     if not kernels.has_low_bit():
         pytest.skip("our kernels need AVX512-VNNI or AVX2")
-    monkeypatch.setattr(decode_linear, "OUR_MAX_ROWS", 8)
+    monkeypatch.setattr(decode_linear, "OUR_MAX_ROWS", AMX_MAX_ROWS)
     w = torch.randn(96, 128) * 0.05
     layer = DecodeLinear(128, 96).to(torch.bfloat16)
     layer.load_state_dict({"weight": w})
-    assert layer.decode.projection is not None and layer.decode.max_rows == 8 and "up to 8 rows" in repr(layer)
+    assert layer.decode.projection is not None and layer.decode.max_rows == AMX_MAX_ROWS
+    assert f"up to {AMX_MAX_ROWS} rows" in repr(layer)
     assert (layer.packed is not None) == PackedWeight.wanted(layer.weight)
-    x = torch.randn(9, 128).bfloat16()
+    x = torch.randn(AMX_MAX_ROWS + 1, 128).bfloat16()
     with torch.no_grad():
         assert torch.equal(layer(x), F.linear(x, layer.weight))  # prefill's rows: the bfloat16 weight
-        assert torch.equal(layer(x[:8]), layer.decode.matmul(x[:8]))  # decode's: the copy
+        for rows in (8, 16, AMX_MAX_ROWS):  # decode batches' (streamed, then in tiles): the copy
+            assert torch.equal(layer(x[:rows]), layer.decode.matmul(x[:rows]))
+            assert not torch.equal(layer(x[:rows]), F.linear(x[:rows], layer.weight))
 
 
 @needs_kernel
