@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import kernels
+from runtime.attention import amx_extend
 from runtime.attention.base import AttentionBackend
 from runtime.attention.sliding_window import KVIndexList
 
@@ -66,8 +67,11 @@ class TorchNativeBackend(AttentionBackend):
         if fused is not None and decode:  # one pass over the keys in place, float32 (`runtime.kernels`)
             return fused.decode_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, layer.scaling,
                                           layer.logit_softcapping or 0.0)
+        meta = self.meta
+        if fused is not None and amx_extend.takes(q, meta.qo_list, layer.logit_softcapping):  # torch's, on AMX
+            return amx_extend.extend_attention(q, k_buf, v_buf, keys, meta.qo_list, self.batch.prefix_lens,
+                                               layer.sliding_window or 0, layer.scaling)
         if fused is not None:  # each new token over the keys it sees, read in place; none masked, none padded
-            meta = self.meta
             return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start,
                                           meta.qo_indptr, meta.q_positions, layer.sliding_window or 0,
                                           layer.scaling, layer.logit_softcapping or 0.0)

@@ -1,0 +1,77 @@
+"""Extend attention on AMX: each request's new tokens through torch's fused attention in bfloat16.
+
+Where the CPU has AMX, torch's `scaled_dot_product_attention` runs bfloat16 products on its tiles. A 600-token
+prompt's causal attention over its own keys (4 query heads on one kv head, 256 wide) took 2.8 ms there against
+7.9 ms on our kernel's AVX512-BF16 tiles (`extend_attention`), the key gather included (2-core Xeon with AMX,
+docs/performance.md). Each request is attended alone: its keys gathered from the pool and repeated for every
+query head of their group (the fused kernel's grouped path was 3.4x slower than repeating), plain causal where the
+keys are the queries themselves and within the window, else under an explicit mask of what each query sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.attention.sliding_window import KVIndexList
+from runtime.layers.linear import CPU_HAS_AMX
+
+# Requests shorter than this keep our kernel's one call for the whole batch: the per-request calls here cost more
+# than they save on a few tokens.
+MIN_EXTEND = 64
+
+
+def takes(q: torch.Tensor, qo: list[int], softcap: float) -> bool:
+    """Whether an extend of these queries runs here: AMX, bfloat16, no soft-capping, every request long."""
+    return (CPU_HAS_AMX and q.dtype == torch.bfloat16 and not softcap
+            and min(b - a for a, b in zip(qo, qo[1:])) >= MIN_EXTEND)
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, keys: KVIndexList,
+                     qo: list[int], prefix: list[int], window: int, scaling: float) -> torch.Tensor:
+    """q (T, H, D) -> (T, H, D): query rows qo[b]..qo[b+1]-1 of request b (at positions prefix[b] on)
+    over that request's listed keys (`keys`, at positions keys.start_list[b] on), those at or before its position
+    and, where `window` > 0, fewer than `window` before it. The same contract as the kernels' `extend_attention`."""
+    out = torch.empty_like(q)
+    H = q.shape[1]
+    for b in range(len(qo) - 1):
+        t0, t1 = qo[b], qo[b + 1]
+        slots = keys.indices[keys.indptr_list[b]:keys.indptr_list[b + 1]].long()
+        group = H // k_buf.shape[1]
+        k = _heads(k_buf, slots, group)  # (1, H, L, D)
+        v = _heads(v_buf, slots, group)
+        qb = q[t0:t1].transpose(0, 1)[None]  # (1, H, Tq, D)
+        first, start, L = prefix[b], keys.start_list[b], slots.numel()
+        if start == first and L == t1 - t0:  # the keys are the queries: plain causal up to the window
+            n = L if not window else min(L, window)
+            out[t0:t0 + n] = _attend(qb[:, :, :n], k[:, :, :n], v[:, :, :n], None, scaling)
+            if n < L:  # the rows past the window see the keys from n - window + 1 on
+                lo = n - window + 1
+                out[t0 + n:t1] = _attend(qb[:, :, n:], k[:, :, lo:], v[:, :, lo:],
+                                         _visible(first + n, L - n, first + lo, L - lo, window), scaling)
+        else:
+            out[t0:t1] = _attend(qb, k, v, _visible(first, t1 - t0, start, L, window), scaling)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scaling: float) -> torch.Tensor:
+    """(1, H, Tq, D) -> (Tq, H, D); causal (top-left) where mask is None."""
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scaling)
+    return o[0].transpose(0, 1)
+
+
+def _visible(q_first: int, q_count: int, k_first: int, k_count: int, window: int) -> torch.Tensor:
+    """(q_count, k_count) bool: which keys (at positions k_first on) each query (at q_first on) sees."""
+    q_pos = torch.arange(q_first, q_first + q_count)[:, None]
+    k_pos = torch.arange(k_first, k_first + k_count)[None, :]
+    visible = k_pos <= q_pos
+    if window:
+        visible &= q_pos - k_pos < window
+    return visible
+
+
+def _heads(buf: torch.Tensor, slots: torch.Tensor, group: int) -> torch.Tensor:
+    """Pool rows `slots` of buf (S, Hkv, D) as (1, Hkv * group, L, D), each kv head repeated for its group."""
+    rows = buf.index_select(0, slots).transpose(0, 1)  # (Hkv, L, D)
+    return rows.repeat_interleave(group, dim=0)[None]
