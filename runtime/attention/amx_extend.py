@@ -33,11 +33,10 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     over that request's listed keys (`keys`, at positions keys.start_list[b] on), those at or before its position
     and, where `window` > 0, fewer than `window` before it. The same contract as the kernels' `extend_attention`."""
     out = torch.empty_like(q)
-    H = q.shape[1]
+    group = q.shape[1] // k_buf.shape[1]  # query heads per kv head
     for b in range(len(qo) - 1):
         t0, t1 = qo[b], qo[b + 1]
         slots = keys.indices[keys.indptr_list[b]:keys.indptr_list[b + 1]].long()
-        group = H // k_buf.shape[1]
         k = _heads(k_buf, slots, group)  # (1, H, L, D)
         v = _heads(v_buf, slots, group)
         qb = q[t0:t1].transpose(0, 1)[None]  # (1, H, Tq, D)
