@@ -69,8 +69,9 @@ class TorchNativeBackend(AttentionBackend):
                                           layer.logit_softcapping or 0.0)
         meta = self.meta
         if fused is not None and amx_extend.takes(q, meta.qo_list, layer.logit_softcapping):  # torch's, on AMX
-            return amx_extend.extend_attention(q, k_buf, v_buf, keys, meta.qo_list, self.batch.prefix_lens,
-                                               layer.sliding_window or 0, layer.scaling)
+            return amx_extend.extend_attention(q, k_buf, v_buf, keys, meta.qo_list, meta.q_positions,
+                                               self.batch.prefix_lens, layer.sliding_window or 0, layer.scaling,
+                                               fused)
         if fused is not None:  # each new token over the keys it sees, read in place; none masked, none padded
             return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start,
                                           meta.qo_indptr, meta.q_positions, layer.sliding_window or 0,
