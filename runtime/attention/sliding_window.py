@@ -27,6 +27,17 @@ class KVIndexList:
     start_list: list[int]
 
 
+def seen_by(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(..., Tq, L) bool: whether each query, at positions q_pos (..., Tq), sees each key, at k_pos (..., L): at or
+    before it and, where `window` is set (> 0), fewer than `window` positions back. The rule every backend's mask
+    follows (the kernels and Triton's in their own loops)."""
+    back = q_pos[..., :, None] - k_pos[..., None, :]
+    visible = back >= 0
+    if window:
+        visible &= back < window
+    return visible
+
+
 def build_kv_index_list(req_to_token: torch.Tensor, req_rows: list[int], prefix_lens: list[int],
                         seq_lens: list[int], window: int | None) -> tuple[torch.Tensor, list[int], list[int]]:
     """Full-pool slots of the keys each request needs: all of them (window None) or those from the window of

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from runtime import kernels
 from runtime.attention import amx_extend
 from runtime.attention.base import AttentionBackend
-from runtime.attention.sliding_window import KVIndexList
+from runtime.attention.sliding_window import KVIndexList, seen_by
 
 
 @dataclass
@@ -145,9 +145,7 @@ class TorchNativeBackend(AttentionBackend):
             q_index = torch.where(q_real, torch.tensor(qo[:-1], device=device)[:, None] + t, 0)
             q_pos = q_pos[0, q_index]  # (B, Tq)
         k_pos = torch.tensor(keys.start_list, device=device)[:, None] + torch.arange(L, device=device)[None]  # (B, L)
-        visible = k_real[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])  # (B, Tq, L)
-        if window is not None:
-            visible &= q_pos[:, :, None] - k_pos[:, None, :] < window
+        visible = k_real[:, None, :] & seen_by(q_pos, k_pos, window)  # (B, Tq, L)
         if q_real is not None:
             visible |= ~q_real[:, :, None]  # padded query rows see everything (finite); their rows are dropped
         blocks = self._query_blocks(extend, keys.start_list, L, window) if Tq > QUERY_BLOCK else None
