@@ -19,7 +19,9 @@ printed side by side with transformers in float32 and bfloat16:
 
 Attention in (1) and (2) is a dense single-sequence backend (causal, windowed on sliding layers, in float32
 as the runtime's torch backend computes it); the weights and the model's arithmetic are what is measured
-there, the runtime's KV path is what (3) adds. int8 matmuls take one of two paths by row count (see
+there, the runtime's KV path is what (3) adds. A bfloat16 variant's prefill path is scored a second time
+("runtime attention") with the attention the runtime runs for it: the fused kernels' extend attention, or
+torch's on AMX tiles where the CPU has AMX (`runtime/attention/torch_native.py` `fused_extend`). int8 matmuls take one of two paths by row count (see
 `runtime/layers/quantized.py`): a whole-text forward takes the prefill path (weights dequantised to
 float32; an int8 LM head: the float weight); the decode path (the int8 kernel, activations rounded to
 bfloat16; the int8 head on one position at a time) is scored too, on the same forward under
@@ -63,17 +65,39 @@ VARIANTS = (("float32", "none"), ("bfloat16", "none"), ("float32", "int8"), ("bf
 # ---- teacher-forced scoring ------------------------------------------------------------------------------
 
 
-def model_logits(model, ids: list[int], decode_path: bool = False) -> torch.Tensor:
+class RuntimeAttention:
+    """A forward-context backend for one sequence that attends as the runtime does a fresh prompt's extend: for a
+    bfloat16 model on the fused kernels (or through torch's on AMX tiles), the keys read from k and v as from a
+    pool; where the kernels do not serve (float32, none built), `SequenceAttention`'s dense float32."""
+
+    def forward(self, q, k, v, layer):  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
+        from runtime import kernels
+        from runtime.attention.sliding_window import KVIndexList
+        from runtime.attention.torch_native import fused_extend
+        from runtime.models.calibration import SequenceAttention
+
+        fused = kernels.for_tensor(q)
+        if fused is None:
+            return SequenceAttention().forward(q, k, v, layer)
+        T = q.shape[0]
+        slots = torch.arange(T, dtype=torch.int32)
+        bounds = torch.tensor([0, T], dtype=torch.int32)
+        keys = KVIndexList(indptr=bounds, indices=slots, start=bounds[:1], indptr_list=[0, T], start_list=[0])
+        return fused_extend(fused, q, k.contiguous(), v.contiguous(), keys, [0, T], bounds, slots, [0], layer)
+
+
+def model_logits(model, ids: list[int], decode_path: bool = False, runtime_attention: bool = False) -> torch.Tensor:
     """(T, vocab) float32 logits of this runtime's `model` at every position of `ids`, in one forward;
     `decode_path`: int8 matmuls through the kernel that decode uses, and the logits one position at a time
-    (as a batch-1 decode step computes them: an int8 LM head quantises its input per call)."""
+    (as a batch-1 decode step computes them: an int8 LM head quantises its input per call);
+    `runtime_attention`: attention as the runtime runs it (`RuntimeAttention`), not dense float32."""
     from contextlib import nullcontext
 
     from runtime.layers.quantized import kernel_path_only
     from runtime.models.calibration import sequence_forward
 
     with torch.no_grad(), (kernel_path_only() if decode_path else nullcontext()):
-        hidden = sequence_forward(model, ids)
+        hidden = sequence_forward(model, ids, RuntimeAttention() if runtime_attention else None)
         if not decode_path:
             return model.compute_logits(hidden)
         return torch.cat([model.compute_logits(row) for row in hidden.split(1)])
@@ -176,27 +200,31 @@ def main() -> None:
         prepare_prefill_weights(model, args.prefill_weights == "int8-128", tokenizer)
         greedy = greedy_agreement(engine_greedy(args.model, model, tokenizer, dt, quant, prompts, args.new_tokens,
                                                 args.prefill_weights), ref_greedy[dt])
-        paths = ((False, ""),) if quant == "none" else ((False, ", prefill path"), (True, ", decode path"))
-        for decode_path, label in paths:
-            logits = model_logits(model, ids, decode_path)
+        paths = [(False, False, "")] if quant == "none" else [(False, False, ", prefill path"),
+                                                              (True, False, ", decode path")]
+        if dt == "bfloat16":
+            paths.insert(1, (False, True, (", prefill path" if quant != "none" else "") + ", runtime attention"))
+        for decode_path, runtime_attention, label in paths:
+            logits = model_logits(model, ids, decode_path, runtime_attention)
             ppl = perplexity(logits, ids)
             base_ppl = base_ppl or ppl
-            name = f"ours {dt}" + ("" if quant == "none" else f" + {quant} weights{label}")
+            name = f"ours {dt}" + ("" if quant == "none" else f" + {quant} weights") + label
             rows.append((name, ppl, top1_agreement(logits, ref_logits[dt]),
-                         top1_agreement(logits, ref_logits["float32"]), greedy if decode_path or not label else None))
+                         top1_agreement(logits, ref_logits["float32"]),
+                         greedy if decode_path or quant == "none" and not runtime_attention else None))
         del model
 
     print(f"model {args.model}; text: {len(ids)} tokens (teacher-forced); greedy: {len(prompts)} prompts of "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens each, against transformers' generate in the "
           "same activation dtype\n")
-    header = (f"{'variant':<48} {'perplexity':>10} {'vs ours f32':>11} {'top-1 = HF same dtype':>21}"
+    header = (f"{'variant':<66} {'perplexity':>10} {'vs ours f32':>11} {'top-1 = HF same dtype':>21}"
               f" {'top-1 = HF f32':>14} {'greedy equal':>12} {'common prefix':>13} {'identical':>9}")
     print(header)
     for name, ppl, same, f32, greedy in rows:
         change = f"{(ppl / base_ppl - 1) * 100:+.2f}%"
         g = ("-", "-", "-") if greedy is None else (
             f"{greedy.equal_fraction:.1%}", f"{greedy.mean_common_prefix:.1f}", f"{greedy.identical}/{len(prompts)}")
-        print(f"{name:<48} {ppl:>10.3f} {change:>11} {same:>21.1%} {f32:>14.1%} {g[0]:>12} {g[1]:>13} {g[2]:>9}")
+        print(f"{name:<66} {ppl:>10.3f} {change:>11} {same:>21.1%} {f32:>14.1%} {g[0]:>12} {g[1]:>13} {g[2]:>9}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,20 @@ class _Plan:
     blocks: list[tuple[int, int, int, int]] | None = None
 
 
+def fused_extend(fused, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, keys: KVIndexList,
+                 qo: list[int], qo_indptr: torch.Tensor, q_positions: torch.Tensor, prefix: list[int],
+                 layer) -> torch.Tensor:
+    """A bfloat16 extend's attention on the fused kernels (`fused`), the keys read in place from the pool: through
+    torch's on AMX tiles where that route takes the extend (`amx_extend`), else each new token over the keys it
+    sees, none masked, none padded. What `benchmarks/quality.py` scores as the runtime's attention too."""
+    window, softcap = layer.sliding_window or 0, layer.logit_softcapping or 0.0
+    if amx_extend.takes(q, qo, softcap):
+        return amx_extend.extend_attention(q, k_buf, v_buf, keys, qo, q_positions, prefix, window, layer.scaling,
+                                           fused)
+    return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start, qo_indptr,
+                                  q_positions, window, layer.scaling, softcap)
+
+
 class TorchNativeBackend(AttentionBackend):
     name = "torch"
 
@@ -68,14 +82,9 @@ class TorchNativeBackend(AttentionBackend):
             return fused.decode_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, layer.scaling,
                                           layer.logit_softcapping or 0.0)
         meta = self.meta
-        if fused is not None and amx_extend.takes(q, meta.qo_list, layer.logit_softcapping):  # torch's, on AMX
-            return amx_extend.extend_attention(q, k_buf, v_buf, keys, meta.qo_list, meta.q_positions,
-                                               self.batch.prefix_lens, layer.sliding_window or 0, layer.scaling,
-                                               fused)
-        if fused is not None:  # each new token over the keys it sees, read in place; none masked, none padded
-            return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start,
-                                          meta.qo_indptr, meta.q_positions, layer.sliding_window or 0,
-                                          layer.scaling, layer.logit_softcapping or 0.0)
+        if fused is not None:
+            return fused_extend(fused, q, k_buf, v_buf, keys, meta.qo_list, meta.qo_indptr, meta.q_positions,
+                                self.batch.prefix_lens, layer)
         window = None if decode else layer.sliding_window
         plan = self._plans.get((id(keys), window))
         if plan is None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.attention.sliding_window import seen_by
 from runtime.context import ForwardContext, forward_context
 from runtime.layers.decode_linear import DecodeLinear, make_tiles, set_prefill_weights
 
@@ -59,19 +60,18 @@ class SequenceAttention:
     def forward(self, q, k, v, layer):  # q (T, H, D), k/v (T, Hkv, D) -> (T, H, D)
         T = q.shape[0]
         i = torch.arange(T, device=q.device)
-        visible = i[None, :] <= i[:, None]  # (Tq, Tk)
-        if layer.sliding_window is not None:
-            visible &= i[:, None] - i[None, :] < layer.sliding_window
+        visible = seen_by(i, i, layer.sliding_window)  # (Tq, Tk)
         q32, k32, v32 = (x.float().transpose(0, 1)[None] for x in (q, k, v))  # (1, heads, T, D)
         out = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=visible, scale=layer.scaling,
                                              enable_gqa=True)  # (1, H, T, D)
         return out[0].transpose(0, 1).to(q.dtype)
 
 
-def sequence_forward(model, ids: list[int]) -> torch.Tensor:
-    """The final norm's rows (T, hidden) of `model` (a `Gemma3ForCausalLM`) over `ids` at positions 0..T-1."""
+def sequence_forward(model, ids: list[int], backend=None) -> torch.Tensor:
+    """The final norm's rows (T, hidden) of `model` (a `Gemma3ForCausalLM`) over `ids` at positions 0..T-1;
+    attention through `backend` (`forward(q, k, v, layer)`), by default `SequenceAttention`."""
     ids_t = torch.tensor(ids, device=model.device)
-    ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=SequenceAttention())
+    ctx = ForwardContext(forward_id=1, mode="eager_extend", attn_backend=backend or SequenceAttention())
     with torch.no_grad(), forward_context(ctx, bind_logging=False):
         return model(ids_t, torch.arange(len(ids), device=ids_t.device))
 

@@ -2,7 +2,10 @@
 greedy choices that agree with transformers, on the fixed English paragraph of `benchmarks/quality.py` (whose scoring
 functions are the ones tested here, teacher-forced: every position scored in the same context). int8 is
 scored on both of its paths: prefill (weights dequantised to float32) and decode (the int8 kernel,
-activations rounded to bfloat16), the one that picks generated tokens.
+activations rounded to bfloat16), the one that picks generated tokens. A bfloat16 variant's prefill is scored
+again with the attention the runtime runs for it (`quality.RuntimeAttention`: the fused kernels', or torch's on
+AMX), and the defaults (bfloat16 with `int8-head`) as they run, prefill and decode, must stay within 1% of float32:
+the bound `--dtype auto --quantization auto` promises.
 
 Greedy agreement thresholds, per position of the text (261 scored positions):
 - bfloat16 against transformers in bfloat16: >= 95%. Both compute in bfloat16 and differ only in the order
@@ -73,13 +76,18 @@ def ours(gemma3_gguf_path, our_gguf_f32, text_ids):
         model = build_model(config, state, getattr(torch, dt), quantization=q)
         prepare_prefill_weights(model, True, tokenizer)
         logits[(dt, q, "prefill")] = quality.model_logits(model, text_ids)
+        if dt == "bfloat16":  # the attention the runtime runs for it: the fused kernels', or torch's on AMX
+            logits[(dt, q, "runtime")] = quality.model_logits(model, text_ids, runtime_attention=True)
         if q != "none":
             logits[(dt, q, "decode")] = quality.model_logits(model, text_ids, decode_path=True)
     return logits
 
 
-SCORED = [(dt, q, "prefill") for dt, q in quality.VARIANTS] + [(dt, q, "decode") for dt, q in quality.VARIANTS
-                                                                if q != "none"]
+SCORED = ([(dt, q, "prefill") for dt, q in quality.VARIANTS]
+          + [(dt, q, "decode") for dt, q in quality.VARIANTS if q != "none"]
+          + [(dt, q, "runtime") for dt, q in quality.VARIANTS if dt == "bfloat16"])
+DEFAULTS = ("bfloat16", "int8-head")  # what `--dtype auto --quantization auto` runs on AVX2 and bfloat16 CPUs
+DEFAULTS_PPL_BOUND = 0.01  # the bound `auto` promises (runtime/auto_settings.py)
 
 
 def test_the_text_is_long_enough_and_float32_is_exact(text_ids, ours, reference):
@@ -117,3 +125,13 @@ def test_int8_head_greedy_choices_agree_with_transformers_in_bfloat16(ours, refe
     agreement = quality.top1_agreement(ours[("bfloat16", "int8-head", "decode")], reference["bfloat16"])
     print(f"\nbfloat16 with an int8 LM head, decode path: top-1 agreement with transformers bfloat16: {agreement:.1%}")
     assert agreement >= INT8_AGREEMENT
+
+
+@pytest.mark.parametrize("path", ["runtime", "decode"])
+def test_the_defaults_stay_within_one_percent_of_float32(path, ours, text_ids):
+    """The defaults as they run: prefill with the runtime's attention (the kernels', or torch's on AMX), and the
+    decode path (its kernels, the LM head screened)."""
+    f32 = quality.perplexity(ours[("float32", "none", "prefill")], text_ids)
+    ppl = quality.perplexity(ours[(*DEFAULTS, path)], text_ids)
+    print(f"\ndefaults, {path}: perplexity {ppl:.3f} vs float32 {f32:.3f} ({(ppl / f32 - 1) * 100:+.2f}%)")
+    assert abs(ppl / f32 - 1) <= DEFAULTS_PPL_BOUND
