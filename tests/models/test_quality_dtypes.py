@@ -4,8 +4,8 @@ functions are the ones tested here, teacher-forced: every position scored in the
 scored on both of its paths: prefill (weights dequantised to float32) and decode (the int8 kernel,
 activations rounded to bfloat16), the one that picks generated tokens. A bfloat16 variant's prefill is scored
 again with the attention the runtime runs for it (`quality.RuntimeAttention`: the fused kernels', or torch's on
-AMX), and the defaults (bfloat16 with `int8-head`) as they run, prefill and decode, must stay within 1% of float32:
-the bound `--dtype auto --quantization auto` promises.
+AMX), and what `--dtype auto --quantization auto` runs (bfloat16 with `int8-head`, or with `int8` on AVX2 without
+FMA), prefill and decode as they run, must stay within 1% of float32: the bound `auto` promises.
 
 Greedy agreement thresholds, per position of the text (261 scored positions):
 - bfloat16 against transformers in bfloat16: >= 95%. Both compute in bfloat16 and differ only in the order
@@ -86,8 +86,9 @@ def ours(gemma3_gguf_path, our_gguf_f32, text_ids):
 SCORED = ([(dt, q, "prefill") for dt, q in quality.VARIANTS]
           + [(dt, q, "decode") for dt, q in quality.VARIANTS if q != "none"]
           + [(dt, q, "runtime") for dt, q in quality.VARIANTS if dt == "bfloat16"])
-DEFAULTS = ("bfloat16", "int8-head")  # what `--dtype auto --quantization auto` runs on AVX2 and bfloat16 CPUs
-DEFAULTS_PPL_BOUND = 0.01  # the bound `auto` promises (runtime/auto_settings.py)
+# what `--dtype auto --quantization auto` runs: on AVX2 (with FMA and F16C) and bfloat16 CPUs; on AVX2 without them
+AUTO_CHOICES = [("bfloat16", "int8-head"), ("bfloat16", "int8")]
+AUTO_PPL_BOUND = 0.01  # the bound `auto` promises (runtime/auto_settings.py)
 
 
 def test_the_text_is_long_enough_and_float32_is_exact(text_ids, ours, reference):
@@ -128,10 +129,11 @@ def test_int8_head_greedy_choices_agree_with_transformers_in_bfloat16(ours, refe
 
 
 @pytest.mark.parametrize("path", ["runtime", "decode"])
-def test_the_defaults_stay_within_one_percent_of_float32(path, ours, text_ids):
-    """The defaults as they run: prefill with the runtime's attention (the kernels', or torch's on AMX), and the
-    decode path (its kernels, the LM head screened)."""
+@pytest.mark.parametrize("choice", AUTO_CHOICES, ids="-".join)
+def test_what_auto_runs_stays_within_one_percent_of_float32(choice, path, ours, text_ids):
+    """`auto`'s choices as they run: prefill with the runtime's attention (the kernels', or torch's on AMX), and
+    the decode path (its kernels; with int8-head the LM head screened)."""
     f32 = quality.perplexity(ours[("float32", "none", "prefill")], text_ids)
-    ppl = quality.perplexity(ours[(*DEFAULTS, path)], text_ids)
-    print(f"\ndefaults, {path}: perplexity {ppl:.3f} vs float32 {f32:.3f} ({(ppl / f32 - 1) * 100:+.2f}%)")
-    assert abs(ppl / f32 - 1) <= DEFAULTS_PPL_BOUND
+    ppl = quality.perplexity(ours[(*choice, path)], text_ids)
+    print(f"\n{choice}, {path}: perplexity {ppl:.3f} vs float32 {f32:.3f} ({(ppl / f32 - 1) * 100:+.2f}%)")
+    assert abs(ppl / f32 - 1) <= AUTO_PPL_BOUND
