@@ -21,11 +21,11 @@ Attention in (1) and (2) is a dense single-sequence backend (causal, windowed on
 as the runtime's torch backend computes it); the weights and the model's arithmetic are what is measured
 there, the runtime's KV path is what (3) adds. A bfloat16 variant's prefill path is scored a second time
 ("runtime attention") with the attention the runtime runs for it: the fused kernels' extend attention, or
-torch's on AMX tiles where the CPU has AMX (`runtime/attention/torch_native.py` `fused_extend`). int8 matmuls take one of two paths by row count (see
-`runtime/layers/quantized.py`): a whole-text forward takes the prefill path (weights dequantised to
-float32; an int8 LM head: the float weight); the decode path (the int8 kernel, activations rounded to
-bfloat16; the int8 head on one position at a time) is scored too, on the same forward under
-`kernel_path_only()`.
+torch's on AMX tiles where the CPU has AMX (`runtime/attention/torch_native.py` `fused_extend`). int8 matmuls
+take one of two paths by row count (see `runtime/layers/quantized.py`): a whole-text forward takes the prefill
+path (weights dequantised to float32; an int8 LM head: the float weight); the decode path (the int8 kernel,
+activations rounded to bfloat16; the int8 head on one position at a time) is scored too, on the same forward
+under `kernel_path_only()`.
 """
 
 from __future__ import annotations
@@ -211,7 +211,7 @@ def main() -> None:
             name = f"ours {dt}" + ("" if quant == "none" else f" + {quant} weights") + label
             rows.append((name, ppl, top1_agreement(logits, ref_logits[dt]),
                          top1_agreement(logits, ref_logits["float32"]),
-                         greedy if decode_path or quant == "none" and not runtime_attention else None))
+                         greedy if decode_path or (quant == "none" and not runtime_attention) else None))
         del model
 
     print(f"model {args.model}; text: {len(ids)} tokens (teacher-forced); greedy: {len(prompts)} prompts of "

@@ -105,10 +105,13 @@ def test_the_short_requests_rows_come_from_the_kernel():
     assert not torch.equal(got[:qo[1]], theirs[:qo[1]])  # the long one is torch's: not the kernel's rounding
 
 
-def test_a_batch_with_a_long_request_takes_the_route_and_soft_capping_or_float32_do_not():
+def test_a_batch_with_a_long_request_takes_the_route_and_soft_capping_or_float32_do_not(monkeypatch):
     q = torch.zeros(200, H, D, dtype=torch.bfloat16)
-    assert amx_extend.takes(q, [0, 100, 200], 0.0) == amx_extend.CPU_HAS_AMX  # AMX decides
-    assert amx_extend.takes(q, [0, 190, 200], 0.0) == amx_extend.CPU_HAS_AMX  # one long request is enough
+    monkeypatch.setattr(amx_extend, "CPU_HAS_AMX", False)
+    assert not amx_extend.takes(q, [0, 100, 200], 0.0)  # no AMX: never
+    monkeypatch.setattr(amx_extend, "CPU_HAS_AMX", True)  # the rule itself, on any CPU
+    assert amx_extend.takes(q, [0, 100, 200], 0.0)
+    assert amx_extend.takes(q, [0, 190, 200], 0.0)  # one long request is enough
     assert not amx_extend.takes(q, [0, 50, 100, 150, 200], 0.0)  # every request short: the kernel's call
     assert not amx_extend.takes(q, [0, 100, 200], 50.0)  # soft-capping: the kernel's explicit path
     assert not amx_extend.takes(q.float(), [0, 100, 200], 0.0)  # float32 keeps the exact path
