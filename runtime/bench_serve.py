@@ -4,8 +4,9 @@ Starts `swa-runtime serve` (with the engine options given) as a subprocess on lo
 synthetic prompts through `POST /v1/completions` (streaming, greedy, EOS ignored) at each concurrency, and
 after it at each level to every OpenAI-compatible server given with `--peer URL` (repeatable; each answers a
 warm-up request first); then runs transformers `generate` on the same prompts as static batches in float32
-and bfloat16. At concurrency 1 the server alternates request by request with the engine run in this process
-(what the server adds).
+and bfloat16. With `--rounds N` every server runs each level N times, taking turns, and each ratio against a
+peer comes with the range of the rounds' own: one round's ratio moves with the machine's pace. At concurrency
+1 the server alternates request by request with the engine run in this process (what the server adds).
 While one stream runs alone, another client sends a body of `--stall-body-mb` MB: the stream's longest
 inter-token gap over its median says whether the front end stalls the engine. Nothing is asserted on time.
 
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import httpx
 
@@ -48,6 +50,7 @@ class Wave:
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
     spec: dict | None = None  # speculation's acceptance over the wave (`SpecCounts.as_dict`), where it ran
+    rounds: list[float] = field(default_factory=list)  # tok/s of each round the wave ran in (`--rounds`)
 
     @property
     def tok_s(self) -> float:
@@ -200,15 +203,12 @@ def _paired_c1(url: str, model: str, engine, prompts: list[list[int]], gen_len: 
     from runtime.core import SamplingParams
 
     served, offline = Wave("swa-runtime serve", 1), Wave("offline engine", 1)
-    before = SpecCounts.from_stats(engine.stats.spec)
     for p in prompts:
         served.add(asyncio.run(_wave(url, model, [p], 1, gen_len, served.system)))
         start = time.perf_counter()
         engine.generate([p], SamplingParams(max_new_tokens=gen_len, ignore_eos=True))
         offline.seconds += time.perf_counter() - start
         offline.tokens += gen_len
-    if engine.cfg.speculative_algorithm != "none":
-        offline.spec = (SpecCounts.from_stats(engine.stats.spec) - before).as_dict()
     return served, offline
 
 
@@ -232,10 +232,19 @@ def _transformers(cfg, dtype: str, prompts: list[list[int]], batch: int, gen_len
     return wave
 
 
-def _workload(args, cfg, levels: list[int]):
+def _workload(args, cfg, levels: list[int], rounds: int = 1):
+    """max(c, --min-requests) prompts a level and round, the rounds' one after the other (`round_prompts`): each
+    round its own, as a prompt sent again would be answered from a prefix cache."""
     from runtime.bench_workloads import build_workload
 
-    return build_workload(args.workload, {c: max(c, args.min_requests) for c in levels}, args.prompt_len, cfg)
+    return build_workload(args.workload, {c: rounds * max(c, args.min_requests) for c in levels}, args.prompt_len,
+                          cfg)
+
+
+def round_prompts(prompts: list[list[int]], rounds: int, r: int) -> list[list[int]]:
+    """Round r's share of a level's prompts (`_workload` with `rounds`)."""
+    n = len(prompts) // rounds
+    return prompts[r * n:(r + 1) * n]
 
 
 def peers(args) -> list[tuple[str, str]]:
@@ -254,7 +263,7 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     levels = [int(x) for x in args.concurrency.split(",")]
     others = peers(args)
-    workload = _workload(args, cfg, levels)
+    workload = _workload(args, cfg, levels, args.rounds)
     prompts, warmup = workload.prompts, workload.warmup
     speculating = cfg.speculative_algorithm != "none"
     waves: list[Wave] = []
@@ -263,15 +272,13 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
     engine = _offline_engine(cfg, warmup) if 1 in levels else None
     proc, url = start_server(engine_args)
 
-    def peer_wave(peer_url: str, model: str, batch: list[list[int]], c: int, gen_len: int, system: str) -> None:
+    def peer_wave(peer_url: str, model: str, batch: list[list[int]], c: int, gen_len: int, system: str) -> Wave | None:
         """A peer's wave; its failure costs its row, not the run."""
         try:
-            wave = asyncio.run(_wave(peer_url, model, batch, c, gen_len, system))
+            return asyncio.run(_wave(peer_url, model, batch, c, gen_len, system))
         except (httpx.HTTPError, RuntimeError) as exc:
             failures.append(f"{system} at c={c} failed: {type(exc).__name__}: {exc}")
-            return
-        if system != "warm-up":
-            waves.append(wave)
+            return None
 
     try:
         name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
@@ -279,18 +286,29 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
         for peer_url, model in others:  # each server answers one request before it is timed
             peer_wave(peer_url, model, [warmup], 1, WARMUP_TOKENS, "warm-up")
         # Level by level, every server in turn: the machine's pace drifts over minutes (its memory bandwidth
-        # by up to 1.6x on a shared 2-core EPYC), so each level's rows are measured minutes apart at most.
+        # by up to 1.6x on a shared 2-core EPYC), so each level's rows are measured minutes apart at most; with
+        # --rounds, each server runs the level again in every round, the order turned by one each round.
         for c in levels:
             before = spec_counts(url) if speculating else None
-            if c == 1:
-                served, offline = _paired_c1(url, name, engine, prompts[1], args.gen_len)
-            else:
-                served = asyncio.run(_wave(url, name, prompts[c], c, args.gen_len, "swa-runtime serve"))
-            if before is not None:
-                served.spec = (spec_counts(url) - before).as_dict()
-            waves.append(served)
-            for peer_url, model in others:
-                peer_wave(peer_url, model, prompts[c], c, args.gen_len, peer_label(model))
+            offline_before = SpecCounts.from_stats(engine.stats.spec) if speculating and c == 1 else None
+
+            def ours(r: int) -> Wave:
+                nonlocal offline
+                batch = round_prompts(prompts[c], args.rounds, r)
+                if c != 1:
+                    return asyncio.run(_wave(url, name, batch, c, args.gen_len, "swa-runtime serve"))
+                served_c1, offline_c1 = _paired_c1(url, name, engine, batch, args.gen_len)
+                offline = _merge(offline, offline_c1)
+                return served_c1
+
+            sides = [ours, *(lambda r, u=u, m=m: peer_wave(u, m, round_prompts(prompts[c], args.rounds, r), c,
+                                                           args.gen_len, peer_label(m)) for u, m in others)]
+            level = take_turns(sides, args.rounds)
+            if before is not None and "swa-runtime serve" in level:
+                level["swa-runtime serve"].spec = (spec_counts(url) - before).as_dict()
+            if offline_before is not None:
+                offline.spec = (SpecCounts.from_stats(engine.stats.spec) - offline_before).as_dict()
+            waves += [level[s] for s in ("swa-runtime serve", *(peer_label(m) for _, m in others)) if s in level]
         stall = asyncio.run(_stall(url, name, prompts[1][0] if 1 in prompts else warmup, max(args.gen_len, 32),
                                    args.stall_body_mb))
     finally:
@@ -302,13 +320,37 @@ def run_bench_serve(args, cfg, engine_args: list[str]) -> int:
         for dtype in ("float32", "bfloat16"):
             for c in levels:
                 if c <= args.transformers_max_batch:
-                    waves.append(_transformers(cfg, dtype, prompts[c], c, args.gen_len))
+                    waves.append(_transformers(cfg, dtype, round_prompts(prompts[c], args.rounds, 0), c,
+                                               args.gen_len))
     print("\n".join([format_serve_report(waves, stall, args, workload.describe()), *failures]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": _workload_json(workload), "waves": [_wave_json(w) for w in waves],
                        "stall": stall}, f, indent=1)
     return 0
+
+
+def take_turns(sides: list[Callable[[int], Wave | None]], rounds: int) -> dict[str, Wave]:
+    """Each side's waves over `rounds` rounds (a side is called with the round's number), by system, each
+    counted into one: in round r the sides run from the r-th on (wrapping), so that none always runs first or
+    right after another. A side that returns None (failed) counts nothing that round."""
+    level: dict[str, Wave] = {}
+    for r in range(rounds):
+        first = r % len(sides)
+        for side in sides[first:] + sides[:first]:
+            wave = side(r)
+            if wave is not None:
+                level[wave.system] = _merge(level.get(wave.system), wave)
+    return level
+
+
+def _merge(total: Wave | None, wave: Wave) -> Wave:
+    """`wave` counted into `total` (None: the first), its tok/s kept as one more round."""
+    if total is None:
+        total = Wave(wave.system, wave.concurrency)
+    total.add(wave)
+    total.rounds.append(wave.tok_s)
+    return total
 
 
 def _wave_json(w: Wave) -> dict:
@@ -337,6 +379,16 @@ ACCEPTANCE_NOTE = ("accept: draft tokens accepted / proposed; tok/vfy: tokens a 
                    "(accepted + 1); both counted by the engine between the start and the end of the level")
 
 
+def _peer_ratio(ours: Wave, peer: Wave) -> str:
+    """Ours over the peer at one level: all rounds' tokens over all their seconds, and where both ran in more than
+    one round, the range of the rounds' own ratios (round i against round i)."""
+    text = f"{ours.tok_s / peer.tok_s:.2f}x at c={peer.concurrency}"
+    pairs = [a / b for a, b in zip(ours.rounds, peer.rounds) if b > 0]
+    if len(pairs) > 1 and len(ours.rounds) == len(peer.rounds):  # a failed round leaves nothing to pair
+        text += f" (rounds {min(pairs):.2f}-{max(pairs):.2f})"
+    return text
+
+
 def format_serve_report(waves: list[Wave], stall: dict, args, workload: str) -> str:
     speculating = any(w.spec is not None for w in waves)
     lines = [f"swa-runtime bench --serve: {workload}; {args.gen_len} new tokens, greedy, EOS ignored; requests "
@@ -353,7 +405,7 @@ def format_serve_report(waves: list[Wave], stall: dict, args, workload: str) -> 
         lines.append(ACCEPTANCE_NOTE)
     served = {w.concurrency: w for w in waves if w.system == "swa-runtime serve"}
     for peer in dict.fromkeys(w.system for w in waves if w.system.startswith("peer ")):
-        ratios = [f"{served[w.concurrency].tok_s / w.tok_s:.2f}x at c={w.concurrency}" for w in waves
+        ratios = [_peer_ratio(served[w.concurrency], w) for w in waves
                   if w.system == peer and w.concurrency in served and w.tok_s > 0]
         lines.append(f"swa-runtime serve vs {peer}: {', '.join(ratios)} (tok/s)")
     offline = next((w for w in waves if w.system == "offline engine"), None)

@@ -32,6 +32,16 @@ def parse_ids(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"--input-ids wants comma-separated integers, got {text!r}") from None
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"wants a whole number of at least 1, got {text!r}")
+    return value
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from runtime.engine import Engine
     from runtime.core import SamplingParams
@@ -202,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="measure through `swa-runtime serve` and the OpenAI API at each --concurrency")
     served.add_argument("--concurrency", default="1,8,32", help="concurrent clients, comma-separated")
     served.add_argument("--min-requests", type=int, default=3, help="requests per level at least")
+    served.add_argument("--rounds", type=positive_int, default=1,
+                        help="times each server runs each level, taking turns (the order turned each round); the "
+                        "ratios against a --peer then give the range of the rounds' own")
     served.add_argument("--peer", metavar="URL", action="append", default=None,
                         help="another OpenAI-compatible server to hold it against (repeatable)")
     served.add_argument("--peer-model", metavar="NAME", action="append", default=None,

@@ -144,7 +144,7 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
         path = tmp_path / "serve.json"
         argv = ["bench", "--serve", "--model", "tiny", "--prompt-len", "24", "--gen-len", "5",
                 "--concurrency", "1,3", "--min-requests", "2", "--skip-transformers", "--stall-body-mb", "0.01",
-                "--peer", peer_url, "--peer-model", "tiny", "--json", str(path)]
+                "--peer", peer_url, "--peer-model", "tiny", "--rounds", "2", "--json", str(path)]
         assert main(argv) == 0
     finally:
         stop_server(peer)
@@ -153,8 +153,8 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
     assert set(rows) == {("swa-runtime serve", 1), ("swa-runtime serve", 3), ("peer tiny", 1), ("peer tiny", 3),
                          ("offline engine", 1)}
     for (system, c), w in rows.items():
-        requests = max(c, 2)
-        assert w["tokens"] == requests * 5 and w["seconds"] > 0
+        requests = 2 * max(c, 2)  # two rounds
+        assert w["tokens"] == requests * 5 and w["seconds"] > 0 and len(w["rounds"]) == 2
         if system != "offline engine":
             # byte-level tiny tokens: a chunk may hold back a partial character, and tokens that reach the front
             # end together (a loaded machine) go out in one chunk, so not one chunk per token (once, CI saw one
@@ -162,10 +162,58 @@ def test_bench_serve_counts_every_streamed_token_on_each_side(tmp_path, capsys):
             assert len(w["ttft"]) == requests and 1 <= len(w["itl"]) <= requests * 4 + requests
     out = capsys.readouterr().out
     assert "the server at c=1 vs the offline engine" in out and "failed" not in out
-    ratios = {c: rows[("swa-runtime serve", c)]["tok_s"] / rows[("peer tiny", c)]["tok_s"] for c in (1, 3)}
-    assert f"swa-runtime serve vs peer tiny: {ratios[1]:.2f}x at c=1, {ratios[3]:.2f}x at c=3 (tok/s)" in out
+    ours, peer = ({c: rows[(system, c)] for c in (1, 3)} for system in ("swa-runtime serve", "peer tiny"))
+    ratios = {c: ours[c]["tok_s"] / peer[c]["tok_s"] for c in (1, 3)}
+    spread = {c: sorted(a / b for a, b in zip(ours[c]["rounds"], peer[c]["rounds"])) for c in (1, 3)}
+    assert (f"swa-runtime serve vs peer tiny: {ratios[1]:.2f}x at c=1 (rounds {spread[1][0]:.2f}-{spread[1][1]:.2f}), "
+            f"{ratios[3]:.2f}x at c=3 (rounds {spread[3][0]:.2f}-{spread[3][1]:.2f}) (tok/s)") in out
     stall = report["stall"]  # the intruder's prompt outgrows the tiny model's context: refused, not parsed
     assert stall["body_status"] == 400 and stall["max_gap_ms"] >= stall["median_gap_ms"] > 0
+
+
+def test_servers_take_turns_and_each_round_is_kept():
+    """Round r starts at the r-th side (wrapping); a side's waves add up into one, each round's tok/s kept; a
+    failed round counts nothing."""
+    from runtime.bench_serve import Wave, take_turns
+
+    calls = []
+
+    def side(system: str, tokens: int, fail_in: int | None = None):
+        def run(r: int):
+            calls.append((system, r))
+            return None if r == fail_in else Wave(system, 8, seconds=2.0, tokens=tokens, ttft=[0.1])
+        return run
+
+    level = take_turns([side("a", 10), side("b", 20), side("c", 40, fail_in=1)], 3)
+    assert calls == [("a", 0), ("b", 0), ("c", 0), ("b", 1), ("c", 1), ("a", 1), ("c", 2), ("a", 2), ("b", 2)]
+    a = level["a"]
+    assert (a.tokens, a.seconds, a.rounds, a.ttft) == (30, 6.0, [5.0] * 3, [0.1] * 3)
+    assert (level["c"].tokens, level["c"].rounds) == (80, [20.0, 20.0])
+
+
+def test_each_round_sends_prompts_of_its_own():
+    """A prompt sent again would be answered from a prefix cache: each round gets its own, all different."""
+    from argparse import Namespace
+
+    from runtime.bench_serve import _workload, round_prompts
+    from runtime.config import EngineConfig
+
+    args = Namespace(workload="standard", min_requests=3, prompt_len=24)
+    prompts = _workload(args, EngineConfig(model="tiny"), [1, 4], rounds=3).prompts
+    for c, n in ((1, 3), (4, 4)):
+        shares = [round_prompts(prompts[c], 3, r) for r in range(3)]
+        assert [len(s) for s in shares] == [n] * 3
+        assert len({tuple(p) for s in shares for p in s}) == 3 * n
+
+
+def test_a_ratio_gives_the_rounds_range_only_where_every_round_pairs():
+    from runtime.bench_serve import Wave, _peer_ratio
+
+    ours = Wave("swa-runtime serve", 8, seconds=4.0, tokens=120, rounds=[20.0, 40.0])
+    peer = Wave("peer x", 8, seconds=4.0, tokens=60, rounds=[20.0, 10.0])
+    assert _peer_ratio(ours, peer) == "2.00x at c=8 (rounds 1.00-4.00)"
+    assert _peer_ratio(ours, Wave("peer x", 8, seconds=2.0, tokens=30, rounds=[15.0])) == "2.00x at c=8"
+    assert _peer_ratio(Wave("s", 8, 1.0, 10, rounds=[10.0]), Wave("p", 8, 1.0, 5, rounds=[5.0])) == "2.00x at c=8"
 
 
 def test_chunks_without_a_token_are_not_timed():
