@@ -445,6 +445,9 @@ def run_compare_speculation(args, cfg) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.peer:
         raise ValueError("--compare-speculation runs the two servers only; --peer does not apply")
+    if args.rounds > 1:
+        raise ValueError("--compare-speculation already takes turns request by request or wave by wave; "
+                         "--rounds does not apply")
     levels = [int(x) for x in args.concurrency.split(",")]
     workload = _workload(args, cfg, levels)
     sides = speculation_sides(args)

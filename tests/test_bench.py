@@ -206,6 +206,14 @@ def test_each_round_sends_prompts_of_its_own():
         assert len({tuple(p) for s in shares for p in s}) == 3 * n
 
 
+def test_rounds_below_one_and_rounds_with_compare_speculation_are_refused(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--serve", "--rounds", "0"])
+    assert exit_.value.code == 2 and "--rounds: wants a whole number of at least 1, got '0'" in capsys.readouterr().err
+    assert main(["bench", "--serve", "--compare-speculation", "--rounds", "2", "--model", "tiny"]) != 0
+    assert "--rounds does not apply" in capsys.readouterr().err
+
+
 def test_a_ratio_gives_the_rounds_range_only_where_every_round_pairs():
     from runtime.bench_serve import Wave, _peer_ratio
 
