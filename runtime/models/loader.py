@@ -23,6 +23,7 @@ from runtime.models.config import (
     pattern_layer_types,
 )
 from runtime.layers.weight_arena import place_decode_weights
+from runtime.models.gguf_file import GGUFFile
 from runtime.models.gemma3 import Gemma3ForCausalLM
 
 StateDict = dict[str, torch.Tensor]
@@ -72,16 +73,12 @@ def load_gguf(
     path: str | Path, dtype: torch.dtype = torch.float32, progress: bool = True
 ) -> tuple[Gemma3Config, StateDict]:
     """Read a Gemma 3 GGUF file: its config and its dequantised tensors under our names."""
-    from gguf import GGUFReader
-
-    # NOTE: GGUFReader parses every metadata array element by element; for Gemma's 262k-token vocabulary
-    # that is most of the load time (~10 s), more than dequantising the weights.
-    reader = GGUFReader(str(path))
-    return config_from_gguf(reader), state_dict_from_gguf(reader, dtype, progress)
+    gguf_file = GGUFFile(path)
+    return config_from_gguf(gguf_file), state_dict_from_gguf(gguf_file, dtype, progress)
 
 
-def state_dict_from_gguf(reader, dtype: torch.dtype = torch.float32, progress: bool = True) -> StateDict:
-    """Dequantise every tensor of an open `gguf.GGUFReader` into our names and parameterisation.
+def state_dict_from_gguf(gguf_file: GGUFFile, dtype: torch.dtype = torch.float32, progress: bool = True) -> StateDict:
+    """Dequantise every tensor of an open GGUF file into our names and parameterisation.
 
     NOTE: ggml applies RMSNorm weights as plain multipliers, so llama.cpp's converter stores Gemma's
     `1 + w`; we subtract the 1 back. Quantised tensors are dequantised by `gguf.quants.dequantize` into
@@ -92,7 +89,7 @@ def state_dict_from_gguf(reader, dtype: torch.dtype = torch.float32, progress: b
     from tqdm import tqdm
 
     state: StateDict = {}
-    for tensor in tqdm(reader.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress):
+    for tensor in tqdm(gguf_file.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress):
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         if values.shape != expected:
@@ -103,19 +100,19 @@ def state_dict_from_gguf(reader, dtype: torch.dtype = torch.float32, progress: b
     return state
 
 
-def config_from_gguf(reader) -> Gemma3Config:
-    """The config of an open `gguf.GGUFReader`'s Gemma 3 model (metadata under `gemma3.*`)."""
-    arch = _field(reader, "general.architecture")
+def config_from_gguf(gguf_file: GGUFFile) -> Gemma3Config:
+    """The config of an open GGUF file's Gemma 3 model (metadata under `gemma3.*`)."""
+    arch = gguf_file.field("general.architecture")
     if arch != "gemma3":
         raise ValueError(f"only Gemma 3 GGUF files are supported, this one is {arch!r}")
 
     def key(name: str, default=None):
-        value = _field(reader, f"gemma3.{name}", default)
+        value = gguf_file.field(f"gemma3.{name}", default)
         if value is None:
             raise ValueError(f"GGUF file lacks gemma3.{name}")
         return value
 
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in gguf_file.tensors}
     num_layers = int(key("block_count"))
     hidden = int(key("embedding_length"))
     heads = int(key("attention.head_count"))
@@ -127,10 +124,10 @@ def config_from_gguf(reader) -> Gemma3Config:
     # model, 62 layers, which uses (hidden / heads)**-0.5). We follow the same rules.
     query_scalar = hidden // heads if num_layers == 62 else head_dim
     scaling = None
-    scaling_type = _field(reader, "gemma3.rope.scaling.type")
+    scaling_type = gguf_file.field("gemma3.rope.scaling.type")
     if scaling_type not in (None, "none"):
         scaling = RopeScaling(rope_type=scaling_type, factor=float(key("rope.scaling.factor")))
-    eos = int(_field(reader, "tokenizer.ggml.eos_token_id", 1))
+    eos = int(gguf_file.field("tokenizer.ggml.eos_token_id", 1))
     return Gemma3Config(
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
@@ -147,18 +144,13 @@ def config_from_gguf(reader) -> Gemma3Config:
         rope_theta=float(key("rope.freq_base")),
         rope_local_base_freq=DEFAULT_ROPE_LOCAL_BASE_FREQ,
         rope_scaling=scaling,
-        final_logit_softcapping=_field(reader, "gemma3.final_logit_softcapping"),
-        attn_logit_softcapping=_field(reader, "gemma3.attn_logit_softcapping"),
+        final_logit_softcapping=gguf_file.field("gemma3.final_logit_softcapping"),
+        attn_logit_softcapping=gguf_file.field("gemma3.attn_logit_softcapping"),
         tie_word_embeddings="output.weight" not in tensors,
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id", 2)),
+        bos_token_id=int(gguf_file.field("tokenizer.ggml.bos_token_id", 2)),
         eos_token_ids=(eos,),
-        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id", 0)),
+        pad_token_id=int(gguf_file.field("tokenizer.ggml.padding_token_id", 0)),
     )
-
-
-def _field(reader, name: str, default=None):
-    field = reader.get_field(name)
-    return default if field is None else field.contents()
 
 
 # ---- Hugging Face directory ------------------------------------------------------------------------------

@@ -70,10 +70,10 @@ def check_model_files(source: ModelSource) -> None:
     """Refuse, before anything is loaded, the files that would fail later with a traceback: a GGUF file that
     is corrupt or truncated, a Hugging Face directory without its tokenizer."""
     if source.kind == "gguf":
-        from gguf import GGUFReader
+        from runtime.models.gguf_file import GGUFFile
 
         try:
-            GGUFReader(str(source.path))
+            GGUFFile(source.path)
         except Exception as exc:  # noqa: BLE001 - the reader raises ValueError, struct or numpy errors
             raise ValueError(f"{source.path} is not a readable GGUF file ({type(exc).__name__}: {exc}): it is "
                              "corrupt, truncated or another format; download it again") from None

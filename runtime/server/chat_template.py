@@ -122,10 +122,10 @@ def model_chat_template(model) -> str | None:
 
     source = resolve_model(model)
     if source.kind == "gguf":
-        from gguf import GGUFReader
+        from runtime.models.gguf_file import GGUFFile
 
-        field = GGUFReader(str(source.path)).fields.get("tokenizer.chat_template")
-        return None if field is None else bytes(field.parts[field.data[0]]).decode("utf-8")
+        template = GGUFFile(source.path).field("tokenizer.chat_template")
+        return template if isinstance(template, str) else None
     if source.kind == "hf":
         config = source.path / "tokenizer_config.json"
         template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None

@@ -47,16 +47,16 @@ def hf_gguf_model(gemma3_gguf_path):
 
 
 @pytest.fixture(scope="session")
-def gguf_reader(gemma3_gguf_path):
-    """One parsed `gguf.GGUFReader` of the default model (parsing takes ~10 s)."""
-    from gguf import GGUFReader
+def gguf_file(gemma3_gguf_path):
+    """The default model's GGUF file, opened (`runtime.models.gguf_file`)."""
+    from runtime.models.gguf_file import GGUFFile
 
-    return GGUFReader(str(gemma3_gguf_path))
+    return GGUFFile(gemma3_gguf_path)
 
 
 @pytest.fixture(scope="session")
-def our_gguf_f32(gguf_reader):
+def our_gguf_f32(gguf_file):
     """(config, state_dict) from our loader, float32 (what `load_gguf` returns, without a second parse)."""
     from runtime.models.loader import config_from_gguf, state_dict_from_gguf
 
-    return config_from_gguf(gguf_reader), state_dict_from_gguf(gguf_reader, torch.float32, progress=False)
+    return config_from_gguf(gguf_file), state_dict_from_gguf(gguf_file, torch.float32, progress=False)

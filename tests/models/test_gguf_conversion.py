@@ -22,9 +22,9 @@ def test_every_tensor_equals_transformers_dequantised_tensor(our_gguf_f32, hf_gg
     assert different == []
 
 
-def test_norm_weights_are_stored_as_one_plus_w_in_the_file(gguf_reader, our_gguf_f32):
+def test_norm_weights_are_stored_as_one_plus_w_in_the_file(gguf_file, our_gguf_f32):
     _, ours = our_gguf_f32
-    norms = [t for t in gguf_reader.tensors if t.name.endswith("norm.weight")]
+    norms = [t for t in gguf_file.tensors if t.name.endswith("norm.weight")]
     assert len(norms) == 1 + 18 * 6  # output_norm; per layer: attn, post_attention, ffn, post_ffw, q, k
     for tensor in norms:
         raw = torch.from_numpy(np.array(tensor.data, dtype=np.float32))
