@@ -59,6 +59,9 @@ class Engine:
             check_endpoint(cfg.otlp_traces_endpoint)
         torch.manual_seed(cfg.seed)
         if model is None:
+            if cfg.dtype == "bfloat16" and torch.device(cfg.device).type == "cpu":
+                # first: the weights' low-bit copies are made on them (a machine's first start builds them here)
+                _load_cpu_kernels(progress)
             if progress:
                 announce(f"loading the weights of {cfg.model} ({cfg.dtype}, quantization {cfg.quantization})")
             _, model = load_model(cfg.model, dtype=getattr(torch, cfg.dtype), device=cfg.device, progress=progress,
@@ -68,7 +71,7 @@ class Engine:
             raise ValueError(f"the model given does not match the config's quantization={cfg.quantization!r}, "
                              f"compile_decode={cfg.compile_decode}: build it with load_model(..., quantization=..., "
                              "compile_layers=...)")
-        if model.dtype == torch.bfloat16 and model.device.type == "cpu":
+        elif model.dtype == torch.bfloat16 and model.device.type == "cpu":
             _load_cpu_kernels(progress)
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
@@ -273,6 +276,6 @@ def model_label(model: str) -> str:
 def _load_cpu_kernels(progress: bool) -> None:
     """Build (first start on a machine) or load the fused CPU kernels now, not inside the first request."""
     if progress:
-        announce("fused CPU kernels: loading (built once per machine and CPU, ~35 s the first time)")
+        announce("fused CPU kernels: loading (built once per machine and CPU, 35 s to 2.5 minutes the first time)")
     if kernels.load() is None and progress:
         announce(f"fused CPU kernels unavailable, the torch path serves: {kernels.failure()}")

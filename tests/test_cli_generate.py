@@ -40,3 +40,20 @@ def test_bad_input_exits_2_with_a_message(args, message):
     result = cli(*args)
     assert result.returncode == 2
     assert message in result.stderr
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_bfloat16_model_says_it_loads_the_kernels_before_its_weights(dtype):
+    """The weights' low-bit copies are made on the kernels, and a machine's first start builds them then: the line
+    that says so must come first, not after a silent wait inside "loading the weights". float32 never uses them."""
+    from runtime import kernels
+
+    if dtype == "bfloat16" and kernels.load() is None:
+        pytest.skip(f"the fused CPU kernels are not built here: {kernels.failure()}")
+    result = cli("--prompt", "hi", "--max-new-tokens", "2", "--dtype", dtype, "--quantization", "none")
+    assert result.returncode == 0, result.stderr
+    weights = result.stderr.index("loading the weights of tiny")
+    if dtype == "float32":
+        assert "fused CPU kernels" not in result.stderr
+    else:
+        assert 0 <= result.stderr.index("fused CPU kernels: loading") < weights

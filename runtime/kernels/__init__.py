@@ -21,6 +21,8 @@ The sources, one job each:
   `layer_pre`, the KV write, decode attention, `layer_post`, the final norm), at slots and keys the runtime
   translated and checked before;
 - `ledger.cpp`: the KV sanitizer's write check in one call, for its common outcome (everything in order);
+- `grids.cpp`: at load, the grid a dequantised GGUF weight lies on (int8 with a float16 scale per block of 32, or
+  exactly 4-bit per group of 32), one pass a weight (`runtime/layers/int8_blocks.py`, `int4.py`);
 - `weight_arena.cpp`: a buffer in 2 MB pages and `Projection.place`, which moves a copy there
   (`runtime/layers/weight_arena.py`);
 - `module.cpp`: the Python bindings.
@@ -31,9 +33,9 @@ so they differ from it by the order of float32 sums (and by attention in float32
 multiplies in bfloat16 from three requests on).
 
 The extension is built once per source and CPU (`-march=native`: a cache shared by machines with different
-CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, about 35 s with
-torch's headers on 2 cores, and needs a C++ compiler and ninja (the `ninja` package). Without them, or with
-`SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
+CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, 35 s to 2.5 minutes
+with torch's headers on 2 cores by CPU (1.4-1.7 minutes on a Xeon with AMX), and needs a C++ compiler and ninja
+(the `ninja` package). Without them, or with `SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
 
 torch marks a build in progress with a `lock` file and waits, forever, while one exists; a build killed half-way
 leaves it behind, and every later start then hung without a word. So `load()` holds an OS lock on
@@ -117,7 +119,7 @@ def load() -> object | None:
 
             with _hold_build_dir(build_dir):
                 if not (build_dir / f"{build_dir.name}.so").exists():
-                    log.info("building the fused CPU kernels (once per machine, ~35 s) in %s", build_dir)
+                    log.info("building the fused CPU kernels (once per machine, 35 s to 2.5 minutes) in %s", build_dir)
                 _module = load_extension(
                     name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
                     extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
@@ -130,7 +132,7 @@ def load() -> object | None:
 
 def loaded() -> object | None:
     """The kernels if something has already built or loaded them, else None (never builds: for exact operations
-    such as the greedy argmax, which a float32 model need not wait ~35 s for)."""
+    such as the greedy argmax, which a float32 model need not wait a minute or more for)."""
     return _module
 
 

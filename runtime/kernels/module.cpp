@@ -7,6 +7,7 @@
 #include "attention.h"
 #include "decode_layer.h"
 #include "decode_stack.h"
+#include "grids.h"
 #include "ledger.h"
 #include "norms.h"
 #include "quant.h"
@@ -27,6 +28,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("MAX_ROWS") = swa::kMaxRows;
   m.attr("PAIR_BUDGET") = swa::kPairBudget;
   m.attr("NARROW_MAX") = swa::kNarrowMax;
+  m.def("int8_block_grid", &swa::int8_block_grid, pybind11::arg("weight"), pybind11::arg("units"),
+        pybind11::arg("tolerance"),
+        "(q int8, step per block of 32) with weight == q * step, step a float16 value, or None (grids.h)");
+  m.def("int4_grid", &swa::int4_grid, pybind11::arg("weight"), pybind11::arg("tolerance"),
+        "(q int32 in 0..15, step, low per group of 32) with weight == low + step * q, or None (grids.h)");
+  m.def("coarse_int4", &swa::coarse_int4, pybind11::arg("weight"),
+        "(q int32 in 0..15, step, low per group of 32): each group rounded to 16 levels from its minimum to its maximum");
   m.def("weight_arena", &swa::weight_arena, pybind11::arg("nbytes"), pybind11::arg("huge_pages") = true,
         "a uint8 buffer aligned to 2 MB, in 2 MB pages where huge_pages (a hint to the kernel)");
   // module_local: two builds of these kernels in one process (a benchmark holding an older one) must not clash over

@@ -55,6 +55,7 @@ def int4_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     tried alone first: most weights that are not 4-bit fail there, at a fraction of the cost."""
     if weight.dim() != 2 or weight.shape[1] % GROUP:
         return None
+    weight = weight.float().contiguous()
     if weight.shape[0] > SAMPLE_ROWS and _grid(weight[:SAMPLE_ROWS]) is None:
         return None
     return _grid(weight)
@@ -64,8 +65,16 @@ SAMPLE_ROWS = 8
 
 
 def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    module = kernels.load()
+    if module is not None:  # the same search in one pass (`runtime/kernels/grids.cpp`)
+        return module.int4_grid(weight, GRID_TOLERANCE)
+    return grid_in_torch(weight)
+
+
+def grid_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`int4_grid` of a float32 (N, K) weight in torch operations."""
     N, K = weight.shape
-    w = weight.float().reshape(-1, GROUP)  # (N K/32, 32): one group a row
+    w = weight.reshape(-1, GROUP)  # (N K/32, 32): one group a row
     low = w.amin(-1)
     offsets = w - low[:, None]
     # the finest grid first; a constant group is `low` alone: step 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from runtime import kernels
 from runtime.layers.grid_search import grid_steps
 
 BLOCK = 32
@@ -27,19 +28,30 @@ SAMPLE_ROWS = 8
 def int8_block_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 (N, K), float32 scales (N, K/32)) with weight == q * scale per block of 32, or None if some block's
     values are not integer multiples of one float16 scale within -127..127. The first rows are tried alone first: most
-    weights that are not on such a grid fail there, at a fraction of the cost."""
+    weights that are not on such a grid fail there, at a fraction of the cost. With the fused kernels built, in one
+    pass (`runtime/kernels/grids.cpp`); else in torch operations, which find the same grid."""
     if weight.dim() != 2 or weight.shape[1] % BLOCK:
         return None
+    weight = weight.float().contiguous()
     if weight.shape[0] > SAMPLE_ROWS and _grid(weight[:SAMPLE_ROWS]) is None:
         return None
     return _grid(weight)
 
 
 def _grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    module = kernels.load()
+    if module is not None:
+        return module.int8_block_grid(weight, CANDIDATES, TOLERANCE)
+    return grid_in_torch(weight)
+
+
+def grid_in_torch(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`int8_block_grid` of a float32 (N, K) weight in torch operations."""
     N, K = weight.shape
-    w = weight.float().reshape(-1, BLOCK)  # one block a row
-    scale = grid_steps(w, w.abs().amax(-1), CANDIDATES, TOLERANCE)  # an all-zero block: scale 0, values 0
-    if scale is None or not torch.equal(scale.half().float(), scale):  # a GGUF's scales are float16 values
+    w = weight.reshape(-1, BLOCK)  # one block a row
+    # an all-zero block: scale 0, values 0; a GGUF's scales are float16 values
+    scale = grid_steps(w, w.abs().amax(-1), CANDIDATES, TOLERANCE, float16_steps=True)
+    if scale is None:
         return None
     q = (w / torch.where(scale > 0, scale, 1.0)[:, None]).round().clamp_(-127, 127).to(torch.int8)
     return q.reshape(N, K), scale.reshape(N, K // BLOCK)

@@ -12,7 +12,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-import numpy as np
 import torch
 
 from runtime.models.config import (
@@ -23,6 +22,7 @@ from runtime.models.config import (
     pattern_layer_types,
 )
 from runtime.layers.weight_arena import place_decode_weights
+from runtime.models.gguf_dequant import dequantize
 from runtime.models.gguf_file import GGUFFile
 from runtime.models.gemma3 import Gemma3ForCausalLM
 
@@ -81,22 +81,22 @@ def state_dict_from_gguf(gguf_file: GGUFFile, dtype: torch.dtype = torch.float32
     """Dequantise every tensor of an open GGUF file into our names and parameterisation.
 
     NOTE: ggml applies RMSNorm weights as plain multipliers, so llama.cpp's converter stores Gemma's
-    `1 + w`; we subtract the 1 back. Quantised tensors are dequantised by `gguf.quants.dequantize` into
-    numpy's row-major (out_features, in_features) layout, which is already `torch.nn.functional.linear`'s;
-    ggml lists the same shape reversed.
+    `1 + w`; we subtract the 1 back. Quantised tensors are dequantised (`gguf_dequant.dequantize`: the values of
+    `gguf.quants.dequantize`, the oracle's) into numpy's row-major (out_features, in_features) layout, which is
+    already `torch.nn.functional.linear`'s; ggml lists the same shape reversed.
     """
-    from gguf.quants import dequantize
     from tqdm import tqdm
 
     state: StateDict = {}
     for tensor in tqdm(gguf_file.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress):
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        values = dequantize(tensor.data, tensor.tensor_type)
         expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if values.shape != expected:
-            raise ValueError(f"{tensor.name}: dequantised shape {values.shape} != ggml shape reversed {expected}")
+        if tuple(values.shape) != expected:
+            got = tuple(values.shape)
+            raise ValueError(f"{tensor.name}: dequantised shape {got} != ggml shape reversed {expected}")
         if _is_norm(tensor.name):
-            values = values - np.float32(1.0)
-        state[gguf_to_param_name(tensor.name)] = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+            values = values - 1.0
+        state[gguf_to_param_name(tensor.name)] = values.contiguous().to(dtype)
     return state
 
 

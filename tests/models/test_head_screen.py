@@ -40,6 +40,19 @@ def test_coarse_copy_rounds_each_group_to_its_own_16_levels():
     torch.testing.assert_close((low + 15 * step).view(-1), groups.amax(-1))
 
 
+def test_coarse_copy_is_the_rounding_in_float32_operations():
+    w = torch.randn(48, 96) * 0.05
+    w[3, :32] = 0.25  # a constant group: step 0, every value at its low
+    q, step, low = coarse_int4(w)
+    groups = w.view(-1, 32)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    s = (hi - lo) / 15
+    expected = ((groups - lo[:, None]) / torch.where(s > 0, s, 1.0)[:, None]).round().clamp(0, 15).to(torch.int32)
+    assert torch.equal(q, expected.view(48, 96))
+    assert torch.equal(step, s.view(48, 3)) and torch.equal(low, lo.view(48, 3))
+    assert step[3, 0] == 0 and bool((q[3, :32] == 0).all())
+
+
 @pytest.mark.parametrize("rows", [1, 4, 8, 16])  # a batch-1 step, decode batches
 def test_logits_near_the_top_are_the_int8_heads_and_the_rest_are_screened(rows):
     head = _head(_weight(seed=rows))
