@@ -8,6 +8,10 @@ pool and repeated for every query head of their group (the fused kernel's groupe
 repeating), plain causal where the keys are the queries themselves and within the window, else under an explicit
 mask of what each query sees.
 
+The kernels' own tiles run on AMX-BF16 where they were built with it (`extend_tiles.h`), faster again: the same
+600-token layer 1.6-1.7 against 3.2-3.7 ms here, 1000 tokens in a window 3.3 against 10.4. This route serves where
+the CPU has AMX and those tiles do not run on it (a compiler without AMX intrinsics, tiles not granted by the OS).
+
 A short request (fewer than `MIN_EXTEND` new tokens: a piece of a chunked prompt, a speculative check) costs more
 here than it saves, so the short ones go to the kernel in one call of their own. Before, one of them sent the whole
 extend to the kernel: 8 prompts of 680 tokens, whose every 2048-token chunk holds such a piece, prefilled 1.13-1.34x

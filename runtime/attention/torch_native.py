@@ -47,11 +47,12 @@ class _Plan:
 def fused_extend(fused, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, keys: KVIndexList,
                  qo: list[int], qo_indptr: torch.Tensor, q_positions: torch.Tensor, prefix: list[int],
                  layer) -> torch.Tensor:
-    """A bfloat16 extend's attention on the fused kernels (`fused`), the keys read in place from the pool: through
-    torch's on AMX tiles where that route takes the extend (`amx_extend`), else each new token over the keys it
-    sees, none masked, none padded. What `benchmarks/quality.py` scores as the runtime's attention too."""
+    """A bfloat16 extend's attention on the fused kernels (`fused`), the keys read in place from the pool, each new
+    token over the keys it sees, none masked, none padded (in tiles of 16 query rows, on AMX-BF16 where the kernels
+    were built with it); through torch's on AMX tiles (`amx_extend`) where the CPU has AMX and the kernels' tiles do
+    not run on it. What `benchmarks/quality.py` scores as the runtime's attention too."""
     window, softcap = layer.sliding_window or 0, layer.logit_softcapping or 0.0
-    if amx_extend.takes(q, qo, softcap):
+    if amx_extend.takes(q, qo, softcap) and not fused.amx_attention_on():
         return amx_extend.extend_attention(q, k_buf, v_buf, keys, qo, q_positions, prefix, window, layer.scaling,
                                            fused)
     return fused.extend_attention(q.contiguous(), k_buf, v_buf, keys.indices, keys.indptr, keys.start, qo_indptr,

@@ -9,7 +9,8 @@ The sources, one job each:
   embedding, one pass each;
 - `attention.cpp`, `extend_attention.cpp` (`attention_chunk.h`, `attention_values.h` between them): decode and
   prefill attention reading the KV pool in place, and the KV write before it; `extend_tiles.h`: prefill's
-  bfloat16 attention 16 query rows at a time over restaged keys;
+  bfloat16 attention 16 query rows at a time over restaged keys (on AMX-BF16 tiles where the CPU has them: `amx.cpp`
+  holds the OS's grant of the tile state and each thread's tile configuration);
 - `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
 - `argmax.cpp`: greedy sampling's maximum and first index per row of logits, sixteen lanes and two threads;
 - `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per

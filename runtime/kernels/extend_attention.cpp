@@ -7,6 +7,7 @@
 
 #include <array>
 #include <memory>
+#include <optional>
 
 namespace swa {
 
@@ -82,7 +83,12 @@ void attend_tiles(const bf16* q, const bf16* kb, const bf16* vb, const int32_t* 
     }
   });
   const int64_t items = static_cast<int64_t>(tile_items.size());
+  const bool amx = amx_attention_on();
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+#if defined(SWA_AMX_BF16)
+    std::optional<TileScope> tiles;
+    if (amx) tiles.emplace();
+#endif
     TileScratch scratch;
     scratch.q.resize(kTileRows * D / 2);
     for (int64_t i = i0; i < i1; ++i) {
@@ -100,7 +106,7 @@ void attend_tiles(const bf16* q, const bf16* kb, const bf16* vb, const int32_t* 
         rows.hi[row] = k.hi > k.lo ? k.hi - r.first : 0;
         outs[row] = out + (t * H + kh * G + row % G) * D;
       }
-      attend_tile(staged(r, kh), rows, s, scratch, outs);
+      attend_tile(staged(r, kh), rows, s, scratch, outs, amx);
       for (int64_t t = t0; t < t0 + tokens; ++t) done[t * Hkv + kh] = 1;
     }
   });

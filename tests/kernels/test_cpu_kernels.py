@@ -30,6 +30,17 @@ def K():
     return module
 
 
+@pytest.fixture(params=["amx", "avx512"])
+def tiles(request, K):
+    """Extend attention's bfloat16 tiles on AMX-BF16 or on AVX512-BF16 (`set_amx_attention`), then as before."""
+    previous = K.set_amx_attention(request.param == "amx")
+    if request.param == "amx" and not K.amx_attention_on():
+        K.set_amx_attention(previous)
+        pytest.skip("no AMX-BF16 here (or the OS did not grant its tiles)")
+    yield request.param
+    K.set_amx_attention(previous)
+
+
 def _scale(*shape: int) -> torch.Tensor:
     return 1.0 + 0.2 * torch.randn(*shape)
 
@@ -160,7 +171,7 @@ def _extend_case(K, requests, S, heads, dtype, window, scaling):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [0, 8, 300])
 @pytest.mark.parametrize("heads", [(4, 1, 256), (8, 4, 64), (6, 3, 40)], ids=["gemma3-270m", "2-per-kv-head", "head-dim-40"])
-def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
+def test_extend_attention_sees_each_tokens_keys_only(K, tiles, dtype, window, heads):
     """Three requests in one extend: a fresh prompt, one with a cached prefix (its queries start past position 0),
     one whose key list starts at a window's edge; each new token sees its own position and before, and with a
     window only the last `window` keys."""
@@ -174,7 +185,7 @@ def test_extend_attention_sees_each_tokens_keys_only(K, dtype, window, heads):
 
 @pytest.mark.parametrize("scaling", [1 / 16, 0.1], ids=["query-exact-in-bfloat16", "query-rounded"])
 @pytest.mark.parametrize("window", [0, 512])
-def test_extend_attention_of_long_prompts_in_tiles(K, scaling, window):
+def test_extend_attention_of_long_prompts_in_tiles(K, tiles, scaling, window):
     """bfloat16 prompts longer than a window, many tiles of 16 query rows each (a prompt of 700, a cached prefix of 867
     with 33 new, a tail of 3 new tokens alone, a prompt whose tiles end part-filled), against float32 SDPA; a scaling
     that bfloat16 queries cannot take exactly goes the float32 way, and agrees as well."""

@@ -1,7 +1,7 @@
 """The AMX extend route (runtime/attention/amx_extend.py) inside the engine, on the real Gemma 3 270M in bfloat16.
 
-The route runs where the CPU has AMX; forced on here, it runs on any CPU (torch's attention works everywhere, only
-slower), so CI covers the call site whatever machine it lands on. A chunked prefill of a prompt past the window, a
+The route runs where the CPU has AMX and the kernels' own tiles do not run on it; forced on here, it runs on any
+CPU (torch's attention works everywhere, only slower), so CI covers the call site whatever machine it lands on. A chunked prefill of a prompt past the window, a
 shorter one and a short one (fewer than `MIN_EXTEND` new tokens: the kernel's, in a call of its own) must give the
 prefill logits of the kernel route, which tests/kernels checks against plain softmax attention."""
 
@@ -36,7 +36,8 @@ def _prefill_logits(engine: Engine, prompts: list[list[int]]) -> list[torch.Tens
     return [rows[0].float() for rows in logits]
 
 
-def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32, gemma3_gguf_path, monkeypatch):
+def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32, gemma3_gguf_path, monkeypatch,
+                                                                    request):
     if kernels.load() is None:
         pytest.skip(f"the fused CPU kernels are unavailable: {kernels.failure()}")
     config, state = our_gguf_f32
@@ -48,6 +49,9 @@ def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32
                        chunked_prefill_size=1024, disable_prefix_caching=True)
     engine = Engine(cfg, model=build_model(config, state, torch.bfloat16), tokenizer=tokenizer)
 
+    K = kernels.load()
+    amx_tiles = K.set_amx_attention(False)  # the kernel's tiles on AVX512-BF16 (or its AVX2 path) in both runs
+    request.addfinalizer(lambda: K.set_amx_attention(amx_tiles))
     monkeypatch.setattr(amx_extend, "CPU_HAS_AMX", False)
     kernel_route = _prefill_logits(engine, prompts)
 
@@ -70,3 +74,30 @@ def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32
         assert got.argmax() == want.argmax()
         assert kl < KL_TOLERANCE
     assert torch.equal(routed[2], kernel_route[2])  # the short prompt: the kernel's in both runs, row for row
+
+
+def test_the_kernels_tiles_on_amx_give_their_avx512_tiles_prefill_logits(our_gguf_f32, gemma3_gguf_path):
+    """Where the kernels were built with AMX-BF16, their extend tiles run on it (and the route above yields to them):
+    the same prefill logits as their AVX512-BF16 tiles, up to the order of float32 sums, whole chunks and short ones."""
+    K = kernels.load()
+    if K is None or not K.amx_attention_on():
+        pytest.skip("the kernels' tiles do not run on AMX-BF16 here")
+    config, state = our_gguf_f32
+    tokenizer = load_tokenizer(gemma3_gguf_path)
+    text = tokenizer.encode(PASSAGE * 16)
+    prompts = [text[:700], text[60:360], text[120:160]]
+    cfg = EngineConfig(model="gemma3-270m", dtype="bfloat16", quantization="none", max_total_tokens=4096,
+                       chunked_prefill_size=1024, disable_prefix_caching=True)
+    engine = Engine(cfg, model=build_model(config, state, torch.bfloat16), tokenizer=tokenizer)
+    on_amx = _prefill_logits(engine, prompts)
+    K.set_amx_attention(False)
+    try:
+        on_avx512 = _prefill_logits(engine, prompts)
+    finally:
+        K.set_amx_attention(True)
+    for want, got in zip(on_avx512, on_amx):
+        kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
+                                        reduction="sum").item()
+        print(f"KL(AVX512 tiles || AMX tiles) {kl:.2e}")
+        assert got.argmax() == want.argmax()
+        assert kl < KL_TOLERANCE
