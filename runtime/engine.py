@@ -21,6 +21,7 @@ from runtime.executor.forward_batch import ForwardBatch
 from runtime.executor.model_runner import ModelRunner
 from runtime.faults import Faults
 from runtime.int_tensors import int_tensor
+from runtime.layers.linear import ROW_BUCKET, packed_shapes, warm_row_counts
 from runtime.layers.quantized import set_head_screen
 from runtime.layers.sampler import check_finite, row_max, sample, token_logprobs, token_probabilities
 from runtime.mem_cache.hicache import HostKVCache
@@ -76,6 +77,11 @@ class Engine:
         set_head_screen(model, cfg.lm_head_screen)  # runtime/layers/head_screen.py
         self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg.model)
         prepare_prefill_weights(model, cfg.prefill_weights == "int8-128", self.tokenizer)  # runtime/models/calibration
+        packed = packed_shapes(model)  # runtime/layers/linear.py
+        if progress and packed:
+            announce(f"oneDNN's prefill shapes: {len(packed)} weights at row counts up to {cfg.chunked_prefill_size} "
+                     f"in steps of {ROW_BUCKET}")
+        warm_row_counts(packed, cfg.chunked_prefill_size)
         arena = getattr(model, "decode_arena", None)  # runtime/layers/weight_arena.py
         if progress and arena is not None:
             announce(f"decode weights: {arena.nbytes / 1e6:.0f} MB in one buffer in read order, "

@@ -35,6 +35,20 @@ CPU_HAS_BF16_UNITS = torch.cpu._is_avx512_bf16_supported() or CPU_HAS_AMX
 PACKING = (CPU_HAS_BF16_UNITS and torch.backends.mkldnn.is_available()
            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 PACK_BATCH_HINT = 8  # the row count oneDNN tunes the layout for; 1 to 600 rows ran as fast or faster packed
+# oneDNN makes a primitive for each new row count it multiplies: 6-11 ms a weight shape on a 2-core Xeon with AMX,
+# ~110 ms of the first 600-token prefill of Gemma 3 270M (four shapes), and again for every prompt length not seen
+# before. Past `ROW_BUCKET` rows the input is padded with zero rows to a multiple of it, so that a prefill chunk of
+# up to 2048 rows meets at most 32 row counts, which start-up makes (`warm_row_counts`, 1.2 s for Gemma 3 270M).
+# The padding costs its rows (a 600-token prompt's prefill 1.08x the time in one process, alternated: 640 rows);
+# a row's values are those of the padded count's product, which oneDNN may sum in another order than the exact
+# count's (130 rows against 192 differ by a rounding here and there; 600 against 640 not at all).
+ROW_BUCKET = 64
+
+
+def bucketed_rows(rows: int) -> int:
+    """The row count a packed weight multiplies `rows` rows as: up to `ROW_BUCKET` as they are, past it rounded up to
+    a multiple of it."""
+    return rows if rows <= ROW_BUCKET else -(-rows // ROW_BUCKET) * ROW_BUCKET
 
 
 class PackedWeight:
@@ -52,7 +66,30 @@ class PackedWeight:
         return PACKING and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:  # (N, in) -> (N, out)
-        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, None, "none", [], "")
+        rows = x.shape[0]
+        padded = bucketed_rows(rows)
+        if padded != rows:  # zero rows below: their outputs are dropped, a view of the first rows (contiguous)
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.tensor, None, "none", [], "")
+        return out if padded == rows else out[:rows]
+
+
+def packed_shapes(model: nn.Module) -> list[PackedWeight]:
+    """One packed weight of each distinct shape among `model`'s `Linear` layers (its projections, not a tied head)."""
+    shapes: dict[tuple, PackedWeight] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.packed is not None:
+            shapes.setdefault((tuple(module.weight.shape), module.packed.dtype), module.packed)
+    return list(shapes.values())
+
+
+def warm_row_counts(weights: list[PackedWeight], max_rows: int) -> None:
+    """Multiply each of `weights` once at every row count a prefill of up to `max_rows` rows pads to
+    (`bucketed_rows`), so that no request pays for oneDNN's primitives."""
+    with torch.no_grad():
+        for packed in weights:
+            for rows in range(ROW_BUCKET, bucketed_rows(max_rows) + 1, ROW_BUCKET):
+                packed.matmul(torch.zeros(rows, packed.tensor.shape[1], dtype=packed.dtype))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: PackedWeight | None = None) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.layers import linear as linear_module
-from runtime.layers.linear import Embedding, Linear, PackedWeight
+from runtime.layers.linear import Embedding, Linear, PackedWeight, bucketed_rows, packed_shapes, warm_row_counts
 
 needs_packing = pytest.mark.skipif(not linear_module.PACKING, reason="this CPU has no bfloat16 units")
 
@@ -21,13 +21,41 @@ def _bf16_linear(out_features: int, in_features: int, seed: int) -> tuple[Linear
 
 
 @needs_packing
-@pytest.mark.parametrize("rows", [1, 8, 37, 600])
-def test_packed_bf16_linear_is_bit_identical_to_f_linear(rows):
+@pytest.mark.parametrize("rows", [1, 8, 37, 64, 65, 130, 600, 1000])  # past 64 padded to a multiple of 64
+def test_packed_bf16_linear_is_bit_identical_to_f_linear_of_its_padded_rows(rows):
     layer, weight = _bf16_linear(384, 640, seed=rows)
     assert isinstance(layer.packed, PackedWeight)
     x = torch.randn(rows, 640).bfloat16()
+    # padded with zero rows past 64: F.linear's rows of the padded input (oneDNN's sums of a row can depend on the
+    # row count, e.g. 130 rows against 192, by a rounding)
+    padded = torch.cat((x, x.new_zeros(bucketed_rows(rows) - rows, 640)))
     with torch.no_grad():
-        assert torch.equal(layer(x), F.linear(x, weight))
+        out = layer(x)
+        assert out.shape == (rows, 384) and out.is_contiguous()
+        assert torch.equal(out, F.linear(padded, weight)[:rows])
+
+
+def test_row_counts_past_a_bucket_are_padded_to_a_multiple_of_it():
+    assert [bucketed_rows(r) for r in (1, 63, 64, 65, 128, 129, 600, 2048)] == [1, 63, 64, 128, 128, 192, 640, 2048]
+
+
+@needs_packing
+def test_start_up_multiplies_each_distinct_packed_shape_at_every_padded_row_count(monkeypatch):
+    """So that no request pays for oneDNN's primitive of a new row count: every count a prefill of up to 200 rows pads
+    to, once per weight shape (two layers of one shape count once)."""
+    model = torch.nn.Sequential(*(_bf16_linear(n, 64, seed)[0] for seed, n in enumerate((96, 96, 32))))
+    weights = packed_shapes(model)
+    assert sorted(p.tensor.shape[0] for p in weights) == [32, 96]
+    seen = []
+    multiply = PackedWeight.matmul
+
+    def spy(self, x):
+        seen.append((self.tensor.shape[0], x.shape[0]))
+        return multiply(self, x)
+
+    monkeypatch.setattr(PackedWeight, "matmul", spy)
+    warm_row_counts(weights, 200)
+    assert sorted(seen) == [(n, rows) for n in (32, 96) for rows in (64, 128, 192, 256)]
 
 
 @needs_packing
