@@ -1,9 +1,8 @@
 // The grids of dequantised GGUF weights, found block by block in one pass, and the LM head's coarse 4-bit copy
-// (grids.h). In torch operations the
-// search made ten to twenty passes over each weight, some over gathered copies: 3.3 s of a server's start-up on a
-// 2-core Xeon for Gemma 3 270M, most of it the 168M-value LM head. Here each block of 32 is read once and its
-// candidate steps tried while it is in L1; the arithmetic is the torch version's (float32 divisions, rounding to
-// nearest even), so the grids found are the same.
+// (grids.h). In torch operations the search made ten to twenty passes over each weight, some over gathered copies:
+// 3.3 s of a server's start-up on a 2-core Xeon for Gemma 3 270M, most of it the 168M-value LM head. Here each block
+// of 32 is read once and its candidate steps tried while it is in L1; the arithmetic is the torch version's (float32
+// divisions, rounding to nearest even), so the grids found are the same (tests/models/test_grids.py).
 
 #include "grids.h"
 

@@ -91,8 +91,8 @@ def state_dict_from_gguf(gguf_file: GGUFFile, dtype: torch.dtype = torch.float32
     for tensor in tqdm(gguf_file.tensors, desc="Loading GGUF tensors", unit="tensor", disable=not progress):
         values = dequantize(tensor.data, tensor.tensor_type)
         expected = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        if tuple(values.shape) != expected:
-            got = tuple(values.shape)
+        got = tuple(values.shape)
+        if got != expected:
             raise ValueError(f"{tensor.name}: dequantised shape {got} != ggml shape reversed {expected}")
         if _is_norm(tensor.name):
             values = values - 1.0
