@@ -10,7 +10,8 @@ The sources, one job each:
 - `attention.cpp`, `extend_attention.cpp` (`attention_chunk.h`, `attention_values.h` between them): decode and
   prefill attention reading the KV pool in place, and the KV write before it; `extend_tiles.h`: prefill's
   bfloat16 attention 16 query rows at a time over restaged keys (on AMX-BF16 tiles where the CPU has them: `amx.cpp`
-  holds the OS's grant of the tile state and each thread's tile configuration);
+  holds the OS's grant of the tile state and each thread's tile configuration); `extend_tiles_f32.h`: the same in
+  float32 on AVX2, for CPUs without bfloat16 units;
 - `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
 - `argmax.cpp`: greedy sampling's maximum and first index per row of logits, sixteen lanes and two threads;
 - `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per
@@ -34,7 +35,8 @@ so they differ from it by the order of float32 sums (and by attention in float32
 multiplies in bfloat16 from three requests on).
 
 The extension is built once per source and CPU (`-march=native`: a cache shared by machines with different
-CPUs must not hand one another's instructions around) under `<cache dir>/kernels/`, 35 s to 2.5 minutes
+CPUs must not hand one another's instructions around; `SWA_RUNTIME_CPU_KERNELS_MARCH=haswell` builds for another
+target instead, so that a developer on an AVX-512 machine can run and time the AVX2 code paths) under `<cache dir>/kernels/`, 35 s to 2.5 minutes
 with torch's headers on 2 cores by CPU (1.4-1.7 minutes on a Xeon with AMX), and needs a C++ compiler and ninja
 (the `ninja` package). Without them, or with `SWA_RUNTIME_CPU_KERNELS=off`, the model runs the torch path and the start-up log says why.
 
@@ -50,6 +52,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -63,6 +66,7 @@ HERE = Path(__file__).parent
 SOURCES = sorted(HERE.glob("*.cpp"))  # module.cpp binds what the others define
 HEADERS = sorted(HERE.glob("*.h"))
 ENV_SWITCH = "SWA_RUNTIME_CPU_KERNELS"
+ENV_MARCH = "SWA_RUNTIME_CPU_KERNELS_MARCH"
 
 _lock = threading.Lock()
 _module = None
@@ -79,10 +83,21 @@ def _cpu_fingerprint() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+def _march() -> str:
+    """The `-march` target: this CPU's own unless the environment names another (a GCC target name)."""
+    march = os.environ.get(ENV_MARCH, "").strip() or "native"
+    if not re.fullmatch(r"[A-Za-z0-9_.+-]+", march):
+        raise ValueError(f"{ENV_MARCH}={march!r} is not a compiler target name (such as native, haswell, znver1)")
+    return march
+
+
 def _build_name() -> str:
     digest = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), _cpu_fingerprint().encode(), torch.__version__.encode()):
+    parts = (*(p.read_bytes() for p in SOURCES + HEADERS), _cpu_fingerprint().encode(), torch.__version__.encode())
+    for part in parts:
         digest.update(part)
+    if _march() != "native":
+        digest.update(_march().encode())
     return f"swa_cpu_kernels_{digest.hexdigest()[:16]}"
 
 
@@ -113,8 +128,8 @@ def load() -> object | None:
         if os.environ.get(ENV_SWITCH, "").lower() in ("0", "off", "false", "no"):
             _failure = f"{ENV_SWITCH}={os.environ[ENV_SWITCH]}"
             return None
-        build_dir = cache_dir() / "kernels" / _build_name()
         try:
+            build_dir = cache_dir() / "kernels" / _build_name()
             build_dir.mkdir(parents=True, exist_ok=True)
             from torch.utils.cpp_extension import load as load_extension
 
@@ -123,7 +138,7 @@ def load() -> object | None:
                     log.info("building the fused CPU kernels (once per machine, 35 s to 2.5 minutes) in %s", build_dir)
                 _module = load_extension(
                     name=build_dir.name, sources=[str(p) for p in SOURCES], build_directory=str(build_dir),
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
+                    extra_cflags=["-O3", f"-march={_march()}", "-fopenmp", "-fno-math-errno"], extra_ldflags=["-fopenmp"],
                     verbose=False)
         except Exception as exc:  # noqa: BLE001 (no compiler, no ninja, an unwritable cache, a failed build)
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"

@@ -2,8 +2,6 @@
 
 #include "amx.h"
 
-#include <atomic>
-
 #if defined(SWA_AMX_BF16)
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -12,8 +10,6 @@
 namespace swa {
 
 namespace {
-
-std::atomic<bool> wanted{true};
 
 #if defined(SWA_AMX_BF16)
 bool granted() {
@@ -42,13 +38,7 @@ bool granted() { return false; }
 
 }  // namespace
 
-bool amx_attention_on() { return wanted.load(std::memory_order_relaxed) && granted(); }
-
-bool set_amx_attention(bool on) {
-  const bool previous = amx_attention_on();
-  wanted.store(on, std::memory_order_relaxed);
-  return previous;
-}
+bool amx_granted() { return granted(); }
 
 #if defined(SWA_AMX_BF16)
 TileScope::TileScope() {

@@ -13,11 +13,8 @@
 
 namespace swa {
 
-// Whether extend attention's tiles run on AMX: built with AMX-BF16, granted by the OS, and not switched off.
-bool amx_attention_on();
-// Switches it on or off (tests and benchmarks compare it with the AVX512-BF16 tiles); returns the previous setting.
-// Off where it cannot run.
-bool set_amx_attention(bool on);
+// Whether AMX-BF16 tiles can run here: built with them and granted by the OS (asked once).
+bool amx_granted();
 
 #if defined(SWA_AMX_BF16)
 // This thread's tiles for as long as it lives: palette 1, eight tiles of 16 rows of 64 bytes; released at the end

@@ -2,6 +2,8 @@
 
 #pragma once
 
+#include <string>
+
 #include "common.h"
 
 namespace swa {
@@ -17,6 +19,14 @@ at::Tensor extend_attention(const at::Tensor& q, const at::Tensor& k_buf, const 
                             const at::Tensor& indices, const at::Tensor& indptr, const at::Tensor& key_start,
                             const at::Tensor& q_indptr, const at::Tensor& q_positions, int64_t window, double scaling,
                             double softcap);
+
+// The tiles extend attention runs its prompts' query rows on: "amx" (AMX-BF16), "bfloat16" (AVX512-BF16), "float32"
+// (AVX2), or "none" (a token at a time). By default the fastest this CPU has; `set_extend_tiles` picks one (tests and
+// benchmarks compare them; "auto" goes back to the fastest) and returns the previous name.
+std::string extend_tiles();
+std::string set_extend_tiles(const std::string& name);
+// Whether extend attention's tiles run on AMX here (the torch route on AMX yields to them then).
+bool amx_attention_on();
 
 // k_buf[loc[t]] = k[t] and v_buf[loc[t]] = v[t] for each token t (loc int64 or int32): k, v (T, Hkv, D) rows of
 // any stride.

@@ -20,9 +20,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_and_mul", &swa::gelu_and_mul, "GELU (tanh) of the gate half times the up half of (T, 2I) rows");
   m.def("decode_attention", &swa::decode_attention, "one query per request over keys read in place");
   m.def("extend_attention", &swa::extend_attention, "the new tokens of an extend over the keys each one sees");
-  m.def("set_amx_attention", &swa::set_amx_attention, pybind11::arg("on"),
-        "extend attention's tiles on AMX-BF16 (on, where built and granted) or AVX512-BF16; returns the previous "
-        "setting");
+  m.def("extend_tiles", &swa::extend_tiles, "the tiles extend attention runs on: amx, bfloat16, float32 or none");
+  m.def("set_extend_tiles", &swa::set_extend_tiles, pybind11::arg("name"),
+        "extend attention's tiles: auto (the fastest here), none, float32, bfloat16 or amx; returns the previous name");
   m.def("amx_attention_on", &swa::amx_attention_on, "whether extend attention's tiles run on AMX-BF16 here");
   m.def("row_argmax", &swa::row_argmax, "each row's largest value and the first index of it (NaN if any)");
   m.def("write_kv", &swa::write_kv, "k_buf[loc] = k and v_buf[loc] = v, row by row");

@@ -30,15 +30,17 @@ def K():
     return module
 
 
-@pytest.fixture(params=["amx", "avx512"])
+@pytest.fixture(params=["amx", "bfloat16", "float32", "none"])
 def tiles(request, K):
-    """Extend attention's bfloat16 tiles on AMX-BF16 or on AVX512-BF16 (`set_amx_attention`), then as before."""
-    previous = K.set_amx_attention(request.param == "amx")
-    if request.param == "amx" and not K.amx_attention_on():
-        K.set_amx_attention(previous)
-        pytest.skip("no AMX-BF16 here (or the OS did not grant its tiles)")
+    """Extend attention's tiles of query rows on AMX-BF16, AVX512-BF16 or AVX2 (float32), or a token at a time
+    (`set_extend_tiles`), each where this CPU runs it; then the fastest again."""
+    try:
+        K.set_extend_tiles(request.param)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    assert K.extend_tiles() == request.param
     yield request.param
-    K.set_amx_attention(previous)
+    K.set_extend_tiles("auto")
 
 
 def _scale(*shape: int) -> torch.Tensor:

@@ -50,8 +50,9 @@ def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32
     engine = Engine(cfg, model=build_model(config, state, torch.bfloat16), tokenizer=tokenizer)
 
     K = kernels.load()
-    amx_tiles = K.set_amx_attention(False)  # the kernel's tiles on AVX512-BF16 (or its AVX2 path) in both runs
-    request.addfinalizer(lambda: K.set_amx_attention(amx_tiles))
+    if K.extend_tiles() == "amx":  # the kernel's tiles on AVX512-BF16 (or AVX2) in both runs
+        K.set_extend_tiles("bfloat16")
+    request.addfinalizer(lambda: K.set_extend_tiles("auto"))
     monkeypatch.setattr(amx_extend, "CPU_HAS_AMX", False)
     kernel_route = _prefill_logits(engine, prompts)
 
@@ -76,12 +77,21 @@ def test_the_route_forced_on_gives_the_kernel_routes_prefill_logits(our_gguf_f32
     assert torch.equal(routed[2], kernel_route[2])  # the short prompt: the kernel's in both runs, row for row
 
 
-def test_the_kernels_tiles_on_amx_give_their_avx512_tiles_prefill_logits(our_gguf_f32, gemma3_gguf_path):
-    """Where the kernels were built with AMX-BF16, their extend tiles run on it (and the route above yields to them):
-    the same prefill logits as their AVX512-BF16 tiles, up to the order of float32 sums, whole chunks and short ones."""
+@pytest.mark.parametrize("kind", ["amx", "bfloat16", "float32"])
+def test_each_kind_of_the_kernels_tiles_gives_the_token_at_a_time_prefill_logits(our_gguf_f32, gemma3_gguf_path,
+                                                                                   kind, request, monkeypatch):
+    """The kernels' extend tiles (on AMX-BF16, AVX512-BF16 or AVX2 in float32, each where this CPU runs it) give the
+    prefill logits of their token-at-a-time path, up to the order of float32 sums and bfloat16 roundings, whole
+    chunks and short ones. The torch route on AMX stays out (it would take the long prompts off the kernels)."""
+    monkeypatch.setattr(amx_extend, "CPU_HAS_AMX", False)
     K = kernels.load()
-    if K is None or not K.amx_attention_on():
-        pytest.skip("the kernels' tiles do not run on AMX-BF16 here")
+    if K is None:
+        pytest.skip(f"the fused CPU kernels are unavailable: {kernels.failure()}")
+    try:
+        K.set_extend_tiles(kind)
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+    request.addfinalizer(lambda: K.set_extend_tiles("auto"))
     config, state = our_gguf_f32
     tokenizer = load_tokenizer(gemma3_gguf_path)
     text = tokenizer.encode(PASSAGE * 16)
@@ -89,15 +99,12 @@ def test_the_kernels_tiles_on_amx_give_their_avx512_tiles_prefill_logits(our_ggu
     cfg = EngineConfig(model="gemma3-270m", dtype="bfloat16", quantization="none", max_total_tokens=4096,
                        chunked_prefill_size=1024, disable_prefix_caching=True)
     engine = Engine(cfg, model=build_model(config, state, torch.bfloat16), tokenizer=tokenizer)
-    on_amx = _prefill_logits(engine, prompts)
-    K.set_amx_attention(False)
-    try:
-        on_avx512 = _prefill_logits(engine, prompts)
-    finally:
-        K.set_amx_attention(True)
-    for want, got in zip(on_avx512, on_amx):
+    in_tiles = _prefill_logits(engine, prompts)
+    K.set_extend_tiles("none")
+    token_at_a_time = _prefill_logits(engine, prompts)
+    for want, got in zip(token_at_a_time, in_tiles):
         kl = torch.nn.functional.kl_div(got.log_softmax(-1), want.log_softmax(-1), log_target=True,
                                         reduction="sum").item()
-        print(f"KL(AVX512 tiles || AMX tiles) {kl:.2e}")
+        print(f"KL(a token at a time || {kind} tiles) {kl:.2e}")
         assert got.argmax() == want.argmax()
         assert kl < KL_TOLERANCE
