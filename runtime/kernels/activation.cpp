@@ -22,12 +22,14 @@ inline __m512 gelu16(__m512 x) {
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.f), tanh16(inner)));
 }
 
-// The value a torch path storing in T holds: rounded to bfloat16, or as is.
+// The value a torch path storing in T holds: rounded to bfloat16 (store16's rounding, kept in registers), or as is.
 inline __m512 as_stored16(float*, __m512 v) { return v; }
 inline __m512 as_stored16(bf16*, __m512 v) {
-  alignas(64) bf16 tmp[16];
-  store16(tmp, v);
-  return load16(tmp);
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+  r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xffff0000u))));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline __m256 gelu8(__m256 x) {
@@ -54,6 +56,14 @@ void gelu_and_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       T* o = out + r * I;
       int64_t i = 0;
 #if defined(__AVX512F__)
+      // Four vectors a step, as on AVX2 below: a GELU's exp, division and rounding are one long dependent chain
+      // (with `as_stored16` in registers, 2048 rows of 2048 on a 2-core Xeon with AMX 1.16-1.25x faster, the
+      // same bits).
+      for (; i + 64 <= I; i += 64) {
+        __m512 a[4];
+        for (int k = 0; k < 4; ++k) a[k] = as_stored16(static_cast<T*>(nullptr), gelu16(load16(g + i + 16 * k)));
+        for (int k = 0; k < 4; ++k) store16(o + i + 16 * k, _mm512_mul_ps(a[k], load16(u + i + 16 * k)));
+      }
       for (; i + 16 <= I; i += 16) {
         const __m512 a = as_stored16(static_cast<T*>(nullptr), gelu16(load16(g + i)));
         store16(o + i, _mm512_mul_ps(a, load16(u + i)));
