@@ -79,9 +79,18 @@ class EngineProcess:
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Spawn the engine process and wait until its engine is built (raises if it fails to start)."""
+        self.launch()
+        self.wait_started(timeout_s)
+
+    def launch(self) -> None:
+        """Spawn the engine process and return at once: the front end does its own set-up (its tokenizer) while the
+        engine process builds, then calls `wait_started`."""
         if self._process is not None:
             raise RuntimeError("EngineProcess.start() called twice")
         self._spawn()
+
+    def wait_started(self, timeout_s: float = READY_TIMEOUT_S) -> None:
+        """Wait until the launched engine process has built its engine (raises, and kills it, if it fails)."""
         self._wait_ready(timeout_s)
 
     def restart(self, timeout_s: float = READY_TIMEOUT_S) -> None:

@@ -100,17 +100,19 @@ def serve(args: argparse.Namespace, listener: socket.socket | None = None) -> in
     announce(f"resolving the model {cfg.model}")
     source = resolve_model(cfg.model)
     check_model_files(source)
-    announce("loading the tokenizer")
-    tokenizer = load_tokenizer(cfg.model)
-    chat_prompt = ChatPrompt.load(api.chat_template, cfg.model, tokenizer)
-    announce(f"chat prompts: {chat_prompt.origin}")
-    engine_loop = EngineProcess(cfg, tokenizer, max_queued_requests=opts.max_queued_requests,
+    engine_loop = EngineProcess(cfg, None, max_queued_requests=opts.max_queued_requests,
                                 log_requests=opts.log_requests, log_format=args.log_format, log_level=args.log_level,
                                 instance=instance)
     announce("starting the engine process (it loads the weights, warms up and captures decode graphs)")
     try:
-        engine_loop.start()  # returns once the engine process has built the engine
-    except KeyboardInterrupt:
+        engine_loop.launch()
+        # the front end's own tokenizer meanwhile (1-2 s that the engine process's start-up no longer waits for)
+        announce("loading the tokenizer")
+        engine_loop.tokenizer = load_tokenizer(cfg.model)
+        chat_prompt = ChatPrompt.load(api.chat_template, cfg.model, engine_loop.tokenizer)
+        announce(f"chat prompts: {chat_prompt.origin}")
+        engine_loop.wait_started()  # returns once the engine process has built the engine
+    except BaseException:  # a bad chat template, a failed start, Ctrl-C: no engine process left behind
         for child in multiprocessing.active_children():  # it ignores SIGINT/SIGTERM: the front end decides
             child.kill()
         raise
