@@ -11,7 +11,7 @@ The sources, one job each:
   prefill attention reading the KV pool in place, and the KV write before it; `extend_tiles.h`: prefill's
   bfloat16 attention 16 query rows at a time over restaged keys (on AMX-BF16 tiles where the CPU has them: `amx.cpp`
   holds the OS's grant of the tile state and each thread's tile configuration); `extend_tiles_f32.h`: the same in
-  float32 on AVX2, for CPUs without bfloat16 units;
+  float32 on AVX2, for CPUs without bfloat16 units (`tile_rows.h`: a tile's rows and the keys they see, for both);
 - `activation.cpp`: the MLP's gated GELU in one pass (`vecmath.h`: the vector loads, stores, exp and tanh);
 - `argmax.cpp`: greedy sampling's maximum and first index per row of logits, sixteen lanes and two threads;
 - `quant.cpp`, `quant_kernels.cpp`: low-bit projections on AVX512-VNNI (`Projection`: int8 per row or per

@@ -8,6 +8,7 @@
 
 #include <array>
 #include <atomic>
+#include <iterator>
 #include <memory>
 #include <optional>
 
@@ -40,7 +41,6 @@ struct Bf16Tiles {
   bool amx;
   using Word = uint32_t;
   using Stage = Staged;
-  using Rows = TileRows;
   using Scratch = TileScratch;
   static bool serve(const Shape& s) { return tiles_serve(s); }
   static int64_t tokens(const Shape& s) { return kTileRows / s.G; }
@@ -66,7 +66,7 @@ struct Bf16Tiles {
   static bool queries(const bf16* q, int64_t t0, int64_t tokens, int64_t kh, const Shape& s, float pre, Scratch& sc) {
     return tile_queries(q, t0, tokens, kh, s, pre, sc.q.data());
   }
-  void attend(const Stage& st, const Rows& rows, const Shape& s, Scratch& sc, bf16* const* out) const {
+  void attend(const Stage& st, const TileRows& rows, const Shape& s, Scratch& sc, bf16* const* out) const {
     attend_tile(st, rows, s, sc, out, amx);
   }
 };
@@ -77,7 +77,6 @@ struct Bf16Tiles {
 struct Float32Tiles {
   using Word = float;
   using Stage = f32_tiles::Staged;
-  using Rows = f32_tiles::Rows;
   using Scratch = f32_tiles::Scratch;
   static bool serve(const Shape& s) { return f32_tiles::serve(s); }
   static int64_t tokens(const Shape& s) { return f32_tiles::tile_tokens(s); }
@@ -90,13 +89,13 @@ struct Float32Tiles {
   }
   struct Thread {
     Scratch scratch;
-    Thread(const Float32Tiles&, const Shape& s) { scratch.q.resize(f32_tiles::kMaxRows * s.D); }
+    Thread(const Float32Tiles&, const Shape& s) { scratch.q.resize(kMaxTileRows * s.D); }
   };
   static bool queries(const bf16* q, int64_t t0, int64_t tokens, int64_t kh, const Shape& s, float pre, Scratch& sc) {
     f32_tiles::tile_queries(q, t0, tokens, kh, s, pre, sc.q.data());
     return true;
   }
-  void attend(const Stage& st, const Rows& rows, const Shape& s, Scratch& sc, bf16* const* out) const {
+  void attend(const Stage& st, const TileRows& rows, const Shape& s, Scratch& sc, bf16* const* out) const {
     f32_tiles::attend_tile(st, rows, s, sc, out);
   }
 };
@@ -160,8 +159,8 @@ void attend_tiles(const Tiles& tiles, const bf16* q, const bf16* kb, const bf16*
       const Request& r = requests[ri];
       const int64_t tokens = std::min(per, qptr[r.b + 1] - t0);
       if (!Tiles::queries(q, t0, tokens, kh, s, pre, thread.scratch)) continue;
-      typename Tiles::Rows rows;
-      bf16* outs[16];
+      TileRows rows;
+      bf16* outs[kMaxTileRows];
       rows.count = tokens * G;
       for (int64_t row = 0; row < rows.count; ++row) {
         const int64_t t = t0 + row / G;
@@ -269,7 +268,7 @@ std::string set_extend_tiles(const std::string& name) {
     chosen_tiles.store(-1, std::memory_order_relaxed);
     return previous;
   }
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < static_cast<int>(std::size(kTileNames)); ++i) {
     if (name != kTileNames[i]) continue;
     TORCH_CHECK(tiles_run_here(static_cast<TileKind>(i)), "extend attention's ", name,
                 " tiles cannot run on this CPU (or were not built for it)");

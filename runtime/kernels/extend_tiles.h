@@ -25,6 +25,7 @@
 #include "amx.h"
 #include "attention_chunk.h"
 #include "common.h"
+#include "tile_rows.h"
 #include "vecmath.h"
 
 namespace swa {
@@ -32,7 +33,7 @@ namespace attention {
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
-constexpr int64_t kTileRows = 16;  // query rows of a tile: G heads by 16 / G tokens
+constexpr int64_t kTileRows = kMaxTileRows;  // query rows of a tile: G heads by 16 / G tokens
 
 // Whether tiles serve this shape: bfloat16 dot products in 64-value steps of the head, no soft-capping (its tanh
 // would follow the scores), whole tokens in a tile.
@@ -81,13 +82,6 @@ inline void stage(const bf16* kb, const bf16* vb, const int32_t* slots, int64_t 
     }
   }
 }
-
-// The rows of one tile: row r = token (r / G) of the tile, query head (r % G); lo..hi its keys (indices into the
-// staged keys), none for a padding row.
-struct TileRows {
-  int64_t count = 0;  // real rows
-  int64_t lo[kTileRows], hi[kTileRows];
-};
 
 // Scratch of one thread.
 struct TileScratch {
@@ -264,12 +258,8 @@ template <typename T>
 void attend_tile(const Staged& st, const TileRows& rows, const Shape& s, TileScratch& sc, T* const* out,
                  bool amx = false) {
   const int64_t D = s.D;
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = 0;
-  for (int64_t r = 0; r < rows.count; ++r) {
-    if (rows.hi[r] <= rows.lo[r]) continue;
-    lo = std::min(lo, rows.lo[r]);
-    hi = std::max(hi, rows.hi[r]);
-  }
+  int64_t lo, hi;
+  rows.keys_of(0, rows.count, lo, hi);
   float sums[kTileRows] = {};
   if (hi > 0) {
     const int64_t base = lo / 32 * 32, width = (hi - base + 31) / 32 * 32;
@@ -295,13 +285,9 @@ void attend_tile(const Staged& st, const TileRows& rows, const Shape& s, TileScr
     }
 #endif
     for (int64_t r0 = 0; r0 < rows.count; r0 += 4) {
-      int64_t h0 = std::numeric_limits<int64_t>::max(), h1 = 0;
-      for (int64_t r = r0; r < std::min(r0 + 4, rows.count); ++r) {
-        if (rows.hi[r] <= rows.lo[r]) continue;
-        h0 = std::min(h0, rows.lo[r] / 2);
-        h1 = std::max(h1, (rows.hi[r] + 1) / 2);
-      }
-      if (h1 == 0) h0 = h1;
+      int64_t first, end;  // the key pairs these rows see: first / 2 .. (end + 1) / 2
+      rows.keys_of(r0, std::min(r0 + 4, rows.count), first, end);
+      const int64_t h0 = end == 0 ? 0 : first / 2, h1 = (end + 1) / 2;
       tile_values4(sc.weights.data(), st, D, r0, std::min<int64_t>(4, rows.count - r0), h0, h1, base, width, sums,
                    out);
     }

@@ -21,6 +21,7 @@
 
 #include "attention_chunk.h"
 #include "common.h"
+#include "tile_rows.h"
 #include "vecmath.h"
 
 namespace swa {
@@ -30,11 +31,10 @@ namespace attention {
 
 namespace f32_tiles {
 
-constexpr int64_t kMaxRows = 16;  // the most query rows a tile holds (G of them where G > 12)
 constexpr int kGroup = 6;         // rows a register block takes: 6 x 2 vectors of sums, 2 of keys, 1 broadcast
 
 // Whether float32 tiles serve this shape: no soft-capping (its tanh would follow the scores), 16 head values a step.
-inline bool serve(const Shape& s) { return s.softcap <= 0.f && s.D % 16 == 0 && s.G <= kMaxRows; }
+inline bool serve(const Shape& s) { return s.softcap <= 0.f && s.D % 16 == 0 && s.G <= kMaxTileRows; }
 
 // Tokens a tile: 12 query rows where G divides 12 (Gemma 3 270M: G = 4, three tokens), else as many as fit.
 inline int64_t tile_tokens(const Shape& s) { return std::max<int64_t>(1, 12 / s.G); }
@@ -79,15 +79,8 @@ void stage(const KV* kb, const KV* vb, const int32_t* slots, int64_t n, int64_t 
   }
 }
 
-// The rows of one tile: row r = token (r / G) of the tile, query head (r % G); lo..hi its keys (indices into the
-// staged keys), none for a row that sees no key.
-struct Rows {
-  int64_t count = 0;
-  int64_t lo[kMaxRows], hi[kMaxRows];
-};
-
 struct Scratch {
-  std::vector<float> q;        // [kMaxRows][D] the rows' queries, scaled
+  std::vector<float> q;        // [kMaxTileRows][D] the rows' queries, scaled
   std::vector<float> scores;   // [rows][width]
   std::vector<float> weights;  // [rows][width]
 };
@@ -190,24 +183,13 @@ inline float softmax_row(const float* sc, int64_t lo, int64_t hi, int64_t base, 
   return lanes_sum8(total);
 }
 
-// The keys rows r0..r1 see together: lo..hi (hi 0 where none sees any).
-inline void group_keys(const Rows& rows, int64_t r0, int64_t r1, int64_t& lo, int64_t& hi) {
-  lo = std::numeric_limits<int64_t>::max();
-  hi = 0;
-  for (int64_t r = r0; r < r1; ++r) {
-    if (rows.hi[r] <= rows.lo[r]) continue;
-    lo = std::min(lo, rows.lo[r]);
-    hi = std::max(hi, rows.hi[r]);
-  }
-}
-
 // One tile: its rows' scores over the keys any of them sees, each row's softmax, the weighted values into out[r] (a
 // row of D values; a row that sees no key gets zeros).
 template <typename T>
-void attend_tile(const Staged& st, const Rows& rows, const Shape& s, Scratch& sc, T* const* out) {
+void attend_tile(const Staged& st, const TileRows& rows, const Shape& s, Scratch& sc, T* const* out) {
   const int64_t D = s.D, n = rows.count;
   int64_t lo, hi;
-  group_keys(rows, 0, n, lo, hi);
+  rows.keys_of(0, n, lo, hi);
   if (hi == 0) {
     for (int64_t r = 0; r < n; ++r)
       for (int64_t d = 0; d < D; ++d) store(out[r], d, 0.f);
@@ -216,11 +198,11 @@ void attend_tile(const Staged& st, const Rows& rows, const Shape& s, Scratch& sc
   const int64_t base = lo / 16 * 16, width = (hi - base + 15) / 16 * 16;
   sc.scores.resize(n * width);
   sc.weights.resize(n * width);
-  float sums[kMaxRows] = {};
+  float sums[kMaxTileRows] = {};
   for (int64_t r0 = 0; r0 < n; r0 += kGroup) {
     const int64_t r1 = std::min<int64_t>(r0 + kGroup, n);
     int64_t glo, ghi;
-    group_keys(rows, r0, r1, glo, ghi);
+    rows.keys_of(r0, r1, glo, ghi);
     if (ghi == 0) continue;
     with_rows(r1 - r0, [&](auto R) {
       for (int64_t k0 = glo / 16 * 16; k0 < ghi; k0 += 16)
@@ -237,7 +219,7 @@ void attend_tile(const Staged& st, const Rows& rows, const Shape& s, Scratch& sc
   for (int64_t r0 = 0; r0 < n; r0 += kGroup) {
     const int64_t r1 = std::min<int64_t>(r0 + kGroup, n);
     int64_t glo, ghi;
-    group_keys(rows, r0, r1, glo, ghi);
+    rows.keys_of(r0, r1, glo, ghi);
     if (ghi == 0) glo = ghi;  // no keys: sums of nothing, zeros stored
     with_rows(r1 - r0, [&](auto R) {
       for (int64_t d0 = 0; d0 < D; d0 += 16)

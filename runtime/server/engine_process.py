@@ -86,7 +86,7 @@ class EngineProcess:
         """Spawn the engine process and return at once: the front end does its own set-up (its tokenizer) while the
         engine process builds, then calls `wait_started`."""
         if self._process is not None:
-            raise RuntimeError("EngineProcess.start() called twice")
+            raise RuntimeError("EngineProcess launched twice")
         self._spawn()
 
     def wait_started(self, timeout_s: float = READY_TIMEOUT_S) -> None:
